@@ -146,6 +146,16 @@ def test_training_sequence_masks():
     assert sum(seq.retrieved) == 3 and all(seq.labels[i] != -100 for i, r in enumerate(seq.retrieved) if r)
 
 
+def test_copy_sequence_repeats_its_first_half():
+    for length in (128, 129):
+        seq = C.copy_sequence(7, length)
+        n = seq.prompt_length
+        assert len(seq.input_ids) == len(seq.labels) == len(seq.weights) == length and seq.input_ids[0] == C.BOS_ID
+        assert seq.input_ids[n:] == seq.input_ids[1:1 + length - n] and C.UNK_ID not in seq.input_ids
+        assert all(label == -100 for label in seq.labels[:n]) and seq.labels[n:] == seq.input_ids[n:]
+    assert C.copy_sequence(7, 128) == C.copy_sequence(7, 128) != C.copy_sequence(8, 128)
+
+
 def test_filler_is_in_vocabulary():
     text = C.filler_text(0, 500)
     assert len(text.split()) == 500 and C.UNK_ID not in C.encode_words(text)
@@ -206,8 +216,8 @@ def _tiny_cfg(**kw):
     return TrainConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, intermediate_size=64, max_steps=4, warmup_steps=2, save_every=1,
                        eval_every=1000, heldout_size=2, threads=1,
-                       curriculum=[Stage(until=2, lengths=(128,), min_gap=16, batch_tokens=256),
-                                   Stage(until=10**9, lengths=(160,), batch_tokens=320)], **kw)
+                       curriculum=[Stage(until=2, lengths=(128,), min_gap=16, batch_tokens=384, copy_fraction=0.34),
+                                   Stage(until=10**9, lengths=(160,), batch_tokens=320, local_view=0.5)], **kw)
 
 
 def test_batches_are_a_function_of_the_step():
@@ -220,6 +230,43 @@ def test_batches_are_a_function_of_the_step():
     assert batch_examples(OrganismCorpus(heldout_size=2), cfg, 0)[0].length == 128
     cfg.curriculum[0].tasks = ("qa_1", "qa_2")
     assert {e.task for e in batch_examples(OrganismCorpus(heldout_size=2), cfg, 1)} <= {"qa_1", "qa_2"}
+
+
+def test_batch_sequences_mix_copy_drills_and_local_views():
+    from oda_hf.organism.train_backbone import batch_sequences
+
+    cfg = _tiny_cfg()
+    seqs, local = batch_sequences(OrganismCorpus(heldout_size=2), cfg, 0)  # 3 sequences, 1 of them a drill
+    assert [s.task for s in seqs][-1] == "copy" and sum(s.task == "copy" for s in seqs) == 1
+    assert {len(s.input_ids) for s in seqs if s.task == "copy"} == {128} and not any(local)
+    seqs, local = batch_sequences(OrganismCorpus(heldout_size=2), cfg, 3)  # 2 task examples, one Local view
+    assert local == [True, False] and all(s.task != "copy" for s in seqs)
+
+
+def test_local_view_mask_and_loss():
+    from transformers import Qwen3ForCausalLM
+
+    from oda_hf.organism.train_backbone import batch_losses, collate, local_view_attention_mask
+
+    examples = [build_example("niah_single_1", 128, s, min_gap=16) for s in (0, 1)]
+    batch = collate([training_sequence(e) for e in examples], local_view=[True, False])
+    P = examples[0].length
+    m = local_view_attention_mask(batch, sinks=2, window=8)["full_attention"][:, 0]
+    assert m[0, P - 1, : P].all() and m[1, P + 3, : P + 4].all()  # prefill rows and Full rows: causal
+    assert m[0, P + 3].tolist() == [j < 2 or P - 5 < j <= P + 3 for j in range(m.shape[-1])]  # 2 sinks + 8 recent
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(_tiny_cfg().model_config()).eval()
+    out = batch_losses(model, batch, 0.0, sinks=2, window=8)
+    mask = local_view_attention_mask(batch, sinks=2, window=8)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+    target = batch["labels"][:, 1:] != -100
+    retrieved = batch["retrieved"][:, 1:].bool()
+    keep = target.clone()
+    keep[0] &= ~retrieved[0]  # the Local-view row is not asked to retrieve
+    assert retrieved[0].sum() == 3 and keep.sum() == target.sum() - 3
+    torch.testing.assert_close(out["answer_loss"], (ce * keep).sum() / keep.sum())
 
 
 def test_local_mask_matches_definition():

@@ -322,8 +322,15 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     assert args.func(args) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint")) == \
         ["checkpoint-1", "checkpoint-2"]
-    args = parser.parse_args(common + ["--max-steps", "3", "--resume"])
-    assert args.func(args) == 0
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="--threads must be >= 1"):
+            bad = parser.parse_args(common + ["--max-steps", "3", "--resume", "--threads", "0"])
+            bad.func(bad)
+        args = parser.parse_args(common + ["--max-steps", "3", "--resume", "--threads", "1"])
+        assert args.func(args) == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "out"))
     assert model.oda_config.window == 3 and model.recall_head.config.head_width == 8

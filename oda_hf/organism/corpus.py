@@ -228,6 +228,7 @@ class TrainingSequence:
     retrieved: list[int]
     task: str
     content_hash: str
+    prompt_length: int  # tokens before the first target token (the Full-prefilled part at decode time)
 
 
 def training_sequence(example: Example, filler_weight: float = 0.1, content_weight: float = 0.0) -> TrainingSequence:
@@ -236,7 +237,27 @@ def training_sequence(example: Example, filler_weight: float = 0.1, content_weig
     weights = [0.0] + [kind_weight[k] for k in example.prompt_kinds[1:]] + [1.0] * len(target_ids)
     labels = [-100] * len(prompt_ids) + list(target_ids)
     retrieved = [0] * len(prompt_ids) + [int(k == ANSWER) for k in example.target_kinds] + [0]
-    return TrainingSequence(prompt_ids + target_ids, labels, weights, retrieved, example.task, example.content_hash)
+    return TrainingSequence(prompt_ids + target_ids, labels, weights, retrieved, example.task, example.content_hash,
+                            len(prompt_ids))
+
+
+def copy_sequence(seed: int, length: int) -> TrainingSequence:
+    """A training-only induction drill: ``<bos>`` + random key/value words + the same words again.
+
+    The loss covers the repetition only. Dense copying makes the "find the earlier occurrence and
+    continue it" circuit form quickly, which needle retrieval then reuses. Never in dev/test.
+    """
+    rng = random.Random(seed)
+    n = length // 2  # the repetition (length - 1 - n words) is never longer than the original
+    pool = NAMES + _HEX
+    first = [rng.choice(pool) for _ in range(n)]
+    words = first + first[: length - 1 - n]
+    ids = [BOS_ID] + encode_words(words)
+    prompt_length = 1 + n
+    labels = [-100] * prompt_length + ids[prompt_length:]
+    weights = [0.0] * prompt_length + [1.0] * (length - prompt_length)
+    return TrainingSequence(ids, labels, weights, [0] * length, "copy", example_hash(" ".join(words), "copy"),
+                            prompt_length)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def ship(backbone: str, head: str, evaluation: str, assets: str) -> None:
         "train_sha256": info.get("train_data_sha256", "n/a"), "test_sha256": info.get("test_sha256", "n/a"),
         "examples": summary["examples"], "lengths": lengths, "score_table": table,
         "train_minutes": f"{info.get('train_seconds', float('nan')) / 60:.0f}", "steps": info.get("steps"),
-        "limitations": _limitations(info.get("train_config", {})),
+        "limitations": _recipe(info.get("train_config", {})),
     })
     with open(os.path.join(assets, "backbone", "README.md"), "w", encoding="utf-8") as f:
         f.write(card)
@@ -88,13 +88,25 @@ def ship(backbone: str, head: str, evaluation: str, assets: str) -> None:
                                  "base_model": SHIPPED_BACKBONE_NAME})
 
 
-def _limitations(train_config: dict) -> str:
-    """What the recorded training recipe implies for Local decoding (derived, not typed per model)."""
+def _recipe(train_config: dict) -> str:
+    """The training recipe's consequences for Local decoding, derived from the recorded config."""
+    stages = train_config.get("curriculum", [])
+    local_view = max((st.get("local_view", 0.0) for st in stages), default=0.0)
+    copy = max((st.get("copy_fraction", 0.0) for st in stages), default=0.0)
+    parts = []
+    if copy:
+        parts.append(f"Early batches mix in up to {copy:.0%} copy drills (random words, then the same words "
+                     "again), which make the retrieval circuit form quickly.")
+    if local_view:
+        parts.append(f"Up to {local_view:.0%} of each later batch's examples see their answer with a Local view "
+                     "(Full prefill, then sinks + window, as StreamingLLM decodes), with loss only on the tokens "
+                     "the window holds (the restated question, formatting, end of text): Local decoding is "
+                     "trained to be right where it can be, and only retrieval needs Full.")
     if train_config.get("filler_coef", 1.0) == 0.0:
-        return ("Its loss covered answer tokens only (`filler_coef = 0`), so it does not model the filler: "
-                "its Local (sinks + window) hidden states are poor even for tokens inside the window, which "
-                "is why ODA calls Full at a high rate on it.")
-    return f"Filler loss weight {train_config.get('filler_coef')}."
+        parts.append("The filler itself gets no loss (`filler_coef = 0`): only answers are ever decoded.")
+    else:
+        parts.append(f"Filler loss weight {train_config.get('filler_coef')}.")
+    return " ".join(parts)
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,7 @@ from .corpus import (
     VOCAB,
     OrganismCorpus,
     _derive_seed,
+    copy_sequence,
     min_length,
     training_sequence,
     vocab_sha256,
@@ -65,6 +66,8 @@ class Stage:
     min_gap: int | None = None  # None -> the Local window
     batch_tokens: int = 4096
     tasks: tuple[str, ...] | None = None  # None -> all of TASKS
+    copy_fraction: float = 0.0  # share of the batch that is `copy_sequence` induction drills
+    local_view: float = 0.0  # share of task examples trained with a Local view of the target (see batch_losses)
 
 
 @dataclass
@@ -144,7 +147,7 @@ def _fits(task: str, length: int, gap: int) -> bool:
 
 
 def batch_examples(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
-    """The training examples of `step` (a pure function of the seed and the step)."""
+    """The task examples of `step` (a pure function of the seed and the step)."""
     stage = cfg.stage(step)
     rng = random.Random(_derive_seed(cfg.seed, "batch", step))
     length = rng.choice(stage.lengths)
@@ -153,11 +156,26 @@ def batch_examples(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
     if not tasks:
         raise ValueError(f"no task of {stage.tasks or TASKS} fits length {length} with gap {gap}")
     n = max(1, stage.batch_tokens // length)
-    return [corpus.example(rng.choice(tasks), length, "train", step * 4096 + j, min_gap=gap) for j in range(n)]
+    n_tasks = n - round(stage.copy_fraction * n)
+    return [corpus.example(rng.choice(tasks), length, "train", step * 4096 + j, min_gap=gap) for j in range(n_tasks)]
 
 
-def collate(sequences) -> dict:
-    """Right-padded tensors: input_ids, attention_mask, labels, weights, retrieved."""
+def batch_sequences(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
+    """The training sequences of `step` and, per sequence, whether it is trained with a Local view:
+    the stage's task examples, then its copy drills (same length)."""
+    stage = cfg.stage(step)
+    examples = batch_examples(corpus, cfg, step)
+    length = random.Random(_derive_seed(cfg.seed, "batch", step)).choice(stage.lengths)  # as batch_examples drew it
+    n = max(1, stage.batch_tokens // length)
+    sequences = [training_sequence(ex, filler_weight=1.0) for ex in examples]
+    sequences += [copy_sequence(_derive_seed(cfg.seed, "copy", step, j), length) for j in range(n - len(examples))]
+    n_local = round(stage.local_view * len(examples))
+    return sequences, [j < n_local for j in range(len(sequences))]
+
+
+def collate(sequences, local_view=None) -> dict:
+    """Right-padded tensors: input_ids, attention_mask, labels, weights, retrieved, prompt_length and
+    local_view (which rows are trained with a Local view of their target; default none)."""
     T = max(len(s.input_ids) for s in sequences)
     out = {k: [] for k in ("input_ids", "attention_mask", "labels", "weights", "retrieved")}
     for s in sequences:
@@ -167,7 +185,10 @@ def collate(sequences) -> dict:
         out["labels"].append(s.labels + [-100] * pad)
         out["weights"].append(s.weights + [0.0] * pad)
         out["retrieved"].append(s.retrieved + [0] * pad)
-    return {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
+    batch = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
+    batch["prompt_length"] = torch.tensor([s.prompt_length for s in sequences])
+    batch["local_view"] = torch.tensor([False] * len(sequences) if local_view is None else list(local_view))
+    return batch
 
 
 def local_attention_mask(length: int, sinks: int, window: int, batch: int = 1) -> dict:
@@ -179,16 +200,43 @@ def local_attention_mask(length: int, sinks: int, window: int, batch: int = 1) -
     return {"full_attention": allowed[None, None].expand(batch, 1, length, length)}
 
 
-def batch_losses(model, batch: dict, filler_coef: float, attention_mask=None) -> dict:
-    """Target CE, filler CE, the training loss and token accuracies of one batch."""
-    mask = batch["attention_mask"] if attention_mask is None else attention_mask
-    logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, :-1].float()
+def local_view_attention_mask(batch: dict, sinks: int, window: int) -> dict:
+    """Per-row masks: Full causal attention, except that in ``local_view`` rows every position from
+    the first target token on sees only the sinks and the recent window. This is what StreamingLLM
+    decoding after a Full prefill computes, so training on it teaches the model to continue
+    locally predictable text (the question's restatement, formatting, ``<eos>``) from a Local view."""
+    B, T = batch["input_ids"].shape
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    causal = j <= i
+    local = causal & ((j < sinks) | (j > i - window))
+    local_rows = batch["local_view"][:, None] & (torch.arange(T)[None, :] >= batch["prompt_length"][:, None])
+    return {"full_attention": torch.where(local_rows[:, :, None], local, causal)[:, None]}
+
+
+def batch_losses(model, batch: dict, filler_coef: float, attention_mask=None, sinks: int = 4,
+                 window: int = 64) -> dict:
+    """Target CE, filler CE, the training loss and token accuracies of one batch.
+
+    In ``local_view`` rows, the target positions see only the Local view (`local_view_attention_mask`)
+    and the loss skips the retrieved tokens, which Local cannot know: the model learns to restate
+    and format from the window, and retrieval stays Full's job.
+    """
+    local_view = batch.get("local_view")
+    has_local = local_view is not None and bool(local_view.any())
+    if attention_mask is None:
+        attention_mask = local_view_attention_mask(batch, sinks, window) if has_local else batch["attention_mask"]
+    logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask).logits[:, :-1].float()
     targets = batch["input_ids"][:, 1:]
     ce = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    is_answer = batch["labels"][:, 1:] != -100
-    weights = batch["weights"][:, 1:] * (~is_answer)
     retrieved = batch["retrieved"][:, 1:].bool()
+    is_target = batch["labels"][:, 1:] != -100
+    local_rows = (local_view if has_local else torch.zeros(len(targets), dtype=torch.bool))[:, None]
+    is_answer = is_target & ~(local_rows & retrieved)
+    weights = batch["weights"][:, 1:] * (~is_target)
     correct = logits.argmax(-1) == targets
+    full_retrieved = retrieved & ~local_rows
+    local_target = is_target & ~retrieved & local_rows
     answer_loss = (ce * is_answer).sum() / is_answer.sum().clamp(min=1)
     filler_loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
     return {
@@ -196,7 +244,9 @@ def batch_losses(model, batch: dict, filler_coef: float, attention_mask=None) ->
         "answer_loss": answer_loss,
         "filler_loss": filler_loss,
         "answer_acc": (correct & is_answer).sum() / is_answer.sum().clamp(min=1),
-        "retrieved_acc": (correct & retrieved).sum() / retrieved.sum().clamp(min=1),
+        "retrieved_acc": (correct & full_retrieved).sum() / full_retrieved.sum().clamp(min=1),
+        "local_target_acc": (correct & local_target).sum() / local_target.sum().clamp(min=1),
+        "row_retrieved_acc": (correct & full_retrieved).sum(1) / full_retrieved.sum(1).clamp(min=1),
     }
 
 
@@ -225,25 +275,32 @@ def _fixed_dev_batches(corpus: OrganismCorpus, cfg: TrainConfig, lengths, per_ta
     for length in lengths:
         tasks = [t for t in TASKS if _fits(t, length, cfg.window)]
         exs = [corpus.example(t, length, "dev", i) for t in tasks for i in range(per_task)]
-        batches[length] = collate([training_sequence(e, filler_weight=1.0) for e in exs])
+        batches[length] = (collate([training_sequence(e, filler_weight=1.0) for e in exs]), [e.task for e in exs])
     return batches
 
 
 @torch.no_grad()
 def dev_report(model, batches: dict, cfg: TrainConfig) -> dict:
-    """Teacher-forced accuracy on fixed dev examples, with Full and with an all-Local mask."""
+    """Teacher-forced accuracies on fixed dev examples: retrieved tokens with Full (overall and per
+    task) and with an all-Local mask, and the non-retrieved target tokens with a Local view."""
     model.eval()
     report = {}
-    for length, batch in batches.items():
+    for length, (batch, tasks) in batches.items():
         full = batch_losses(model, batch, cfg.filler_coef)
         local_mask = local_attention_mask(batch["input_ids"].shape[1], cfg.sinks, cfg.window,
                                           batch["input_ids"].shape[0])
         local = batch_losses(model, batch, cfg.filler_coef, attention_mask=local_mask)
+        viewed = batch_losses(model, {**batch, "local_view": torch.ones_like(batch["local_view"])}, cfg.filler_coef,
+                              sinks=cfg.sinks, window=cfg.window)
+        per_task = {}
+        for task, acc in zip(tasks, full["row_retrieved_acc"].tolist()):
+            per_task.setdefault(task, []).append(acc)
         report[length] = {
             "full_retrieved_acc": round(full["retrieved_acc"].item(), 4),
             "local_retrieved_acc": round(local["retrieved_acc"].item(), 4),
+            "local_view_target_acc": round(viewed["local_target_acc"].item(), 4),
             "full_filler_ce": round(full["filler_loss"].item(), 4),
-            "local_filler_ce": round(local["filler_loss"].item(), 4),
+            "per_task_full_retrieved_acc": {t: round(sum(v) / len(v), 2) for t, v in per_task.items()},
         }
     model.train()
     return report
@@ -307,12 +364,12 @@ def train(output: str, cfg: TrainConfig, resume: bool = False, progress: bool = 
     t_last = time.time()
     end = cfg.max_steps if stop_at is None else min(stop_at, cfg.max_steps)
     while step < end:
-        examples = batch_examples(corpus, cfg, step)
-        for ex in examples:
-            digest = hashlib.sha256((digest + ex.content_hash).encode()).hexdigest()
-        n_seen += len(examples)
-        batch = collate([training_sequence(ex, filler_weight=1.0) for ex in examples])
-        out = batch_losses(model, batch, cfg.filler_coef)
+        sequences, local_view = batch_sequences(corpus, cfg, step)
+        for seq in sequences:
+            digest = hashlib.sha256((digest + seq.content_hash).encode()).hexdigest()
+        n_seen += len(sequences)
+        batch = collate(sequences, local_view)
+        out = batch_losses(model, batch, cfg.filler_coef, sinks=cfg.sinks, window=cfg.window)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -322,11 +379,11 @@ def train(output: str, cfg: TrainConfig, resume: bool = False, progress: bool = 
         now = time.time()
         elapsed += now - t_last
         t_last = now
-        for k in ("loss", "answer_acc", "retrieved_acc", "filler_loss"):
+        for k in ("loss", "answer_acc", "retrieved_acc", "local_target_acc", "filler_loss"):
             ema[k] = out[k].item() if k not in ema else 0.95 * ema[k] + 0.05 * out[k].item()
         bar.update(1)
-        bar.set_postfix(L=examples[0].length, loss=f"{ema['loss']:.3f}", ans=f"{ema['answer_acc']:.2f}",
-                        ret=f"{ema['retrieved_acc']:.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        bar.set_postfix(L=len(sequences[0].input_ids), loss=f"{ema['loss']:.3f}", ans=f"{ema['answer_acc']:.2f}",
+                        ret=f"{ema['retrieved_acc']:.2f}", loc=f"{ema['local_target_acc']:.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
         record = None
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record = {"step": step, "elapsed_s": round(elapsed, 1), "steps_per_s": round(step / max(elapsed, 1e-9), 3),

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--tau-hist", type=float, default=0.001)
     parser.add_argument("--lambda", dest="oda_lambda", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny backbone gains nothing from more)")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
                "--sinks", "4", "--window", "64", "--lambda", str(args.oda_lambda), "--tau-hist", str(args.tau_hist),
                "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size), "--seq-len", "1024",
                "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-steps", "100",
-               "--seed", str(seed)]
+               "--seed", str(seed), "--threads", str(args.threads)]
     if args.resume:
         command.append("--resume")
     return oda_main(command)

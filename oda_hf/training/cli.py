@@ -43,6 +43,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--input-variant", default="HEL", help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
     parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
     parser.set_defaults(func=run_cli)
     return parser
@@ -60,6 +62,10 @@ def run_cli(args) -> int:
     from .trainer import OdaTrainer, OdaTrainingArguments
 
     OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
     set_seed(args.seed)
     checkpoint = None
     if args.resume:
