@@ -32,7 +32,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token")
-    parser.add_argument("--threshold", type=float, default=None, help="head threshold theta (default 0)")
+    parser.add_argument("--threshold", type=float, default=None, help="head threshold theta (default: the head's saved one, else 0)")
     parser.add_argument("--policy", type=parse_policy, default=None,
                         help="head | full | local | random:P[:SEED] | schedule:K:PERIOD (default: head if --head)")
     parser.add_argument("--dtype", default="float32", help="base model dtype (float32, bfloat16, ...)")

@@ -54,3 +54,47 @@ def test_organism_evaluation_writes_summary_with_all_policies(organism_dir, tmp_
     assert saved["full"]["pooled_full_call_rate"] == 1.0 and saved["streamingllm"]["pooled_full_call_rate"] == 0.0
     assert set(saved["oda@0"]["per_task"]) == {"niah_single_1", "vt"}
     assert (tmp_path / "report.md").exists() and summary["examples"] == 2
+
+
+def test_choose_threshold_prefers_the_cheapest_close_to_full():
+    from oda_hf.organism.calibrate import choose_threshold
+
+    sweep = [{"threshold": 0.0, "macro_score": 80.0, "pooled_full_call_rate": 0.9},
+             {"threshold": 0.5, "macro_score": 79.5, "pooled_full_call_rate": 0.4},
+             {"threshold": 1.0, "macro_score": 70.0, "pooled_full_call_rate": 0.3}]
+    assert choose_threshold(sweep, full_score=80.0, tolerance=1.0)["threshold"] == 0.5
+    assert choose_threshold(sweep, full_score=80.0, tolerance=0.1)["threshold"] == 0.0
+    assert choose_threshold(sweep, full_score=95.0, tolerance=1.0)["threshold"] == 0.0  # none close: best score
+
+
+def test_calibration_uses_dev_and_saves_the_threshold_with_the_head(organism_dir, tmp_path):
+    import shutil
+
+    from oda_hf.organism.calibrate import calibrate_threshold
+    from oda_hf.organism.ship import score_table
+
+    organism = tmp_path / "organism"
+    shutil.copytree(organism_dir, organism)
+    result = calibrate_threshold(str(organism), str(tmp_path / "cal"), n=1, grid=(0.0, 3.0), lengths=(256,),
+                                 tasks=("niah_single_1",))
+    records = [json.loads(line) for line in (tmp_path / "cal" / "calibration_records.jsonl").read_text().splitlines()]
+    assert {r["id"].split("/")[2] for r in records} == {"dev"}
+    assert {r["policy"] for r in records} == {"full", "oda@0", "oda@3"}
+    chosen = result["chosen"]["threshold"]
+    assert chosen in (0.0, 3.0) and json.loads((organism / "head" / "oda_config.json").read_text())["threshold"] == chosen
+    model, _, _ = load_organism(str(organism))
+    assert model.oda_config.threshold == chosen
+    assert load_organism(str(organism), threshold=0.25)[0].oda_config.threshold == 0.25
+
+    from oda_hf.organism.evaluate import evaluate_organism
+
+    summary = evaluate_organism(str(organism), str(tmp_path / "eval"), n=1, lengths=(256,), tasks=("niah_single_1",))
+    assert summary["threshold"] == chosen and f"oda@{chosen:g}" in summary
+    assert f"ODA (threshold {chosen:g})" in score_table(summary)
+
+    from oda_hf.organism.ship import ship
+
+    ship(str(organism / "backbone"), str(organism / "head"), str(tmp_path / "eval"), str(tmp_path / "assets"))
+    card = (tmp_path / "assets" / "head" / "README.md").read_text()
+    assert f"theta = {chosen:g}" in card and "chosen on the dev split" in card and score_table(summary) in card
+    assert json.loads((tmp_path / "assets" / "head" / "oda_config.json").read_text())["threshold"] == chosen

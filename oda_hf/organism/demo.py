@@ -30,8 +30,9 @@ def shipped_organism_dir() -> str:
     return str(resources.files("oda_hf.organism").joinpath("assets"))
 
 
-def load_organism(path: str | None = None, threshold: float = 0.0):
-    """The organism as ``(OdaForCausalLM, tokenizer, info)``, loaded from local files only."""
+def load_organism(path: str | None = None, threshold: float | None = None):
+    """The organism as ``(OdaForCausalLM, tokenizer, info)``, loaded from local files only.
+    `threshold` None keeps the head's saved routing threshold."""
     from transformers import AutoTokenizer
 
     from ..modeling import OdaForCausalLM
@@ -45,8 +46,9 @@ def load_organism(path: str | None = None, threshold: float = 0.0):
             "`python -m oda_hf.organism.train_backbone` and `python -m oda_hf.organism.train_head`, or pass "
             "--organism <folder with backbone/ and head/>."
         )
-    model = OdaForCausalLM.from_pretrained(backbone, head=head, threshold=threshold, local_files_only=True,
-                                           head_kwargs={"local_files_only": True})
+    routing = {} if threshold is None else {"threshold": threshold}
+    model = OdaForCausalLM.from_pretrained(backbone, head=head, local_files_only=True,
+                                           head_kwargs={"local_files_only": True}, **routing)
     tokenizer = AutoTokenizer.from_pretrained(backbone, local_files_only=True)
     info_path = os.path.join(backbone, "organism.json")
     info = json.load(open(info_path)) if os.path.exists(info_path) else {}
@@ -57,7 +59,7 @@ def _words(ids) -> list[str]:
     return [VOCAB[i] for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)]
 
 
-def run_demo(organism: str | None = None, output: str = "oda_demo", prompts=DEMO_PROMPTS, threshold: float = 0.0,
+def run_demo(organism: str | None = None, output: str = "oda_demo", prompts=DEMO_PROMPTS, threshold: float | None = None,
              verbose: bool = True) -> dict:
     """Answer `prompts` with each method; returns scores, ODA's rate and the trajectory file paths."""
     start = time.perf_counter()
@@ -124,7 +126,8 @@ def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="the shipped model organism: Full vs StreamingLLM vs ODA, offline")
     parser.add_argument("--organism", default=None, help="organism folder (default: the one shipped in the package)")
     parser.add_argument("--output", default="oda_demo", help="folder for trajectory.html / trajectory.png")
-    parser.add_argument("--threshold", type=float, default=0.0, help="ODA threshold theta")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="ODA threshold theta (default: the head's saved one, chosen on dev)")
     parser.add_argument("--tasks", default=None, help="comma-separated subset of the demo's task families")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     parser.set_defaults(func=_run_demo_command)

@@ -21,23 +21,30 @@ EVAL_LENGTHS = (256, 512, 1024)
 RANDOM_SEEDS = (42, 43, 44)
 
 
-def evaluate_organism(organism: str, output: str, n: int = 10, threshold: float = 0.0, lengths=EVAL_LENGTHS,
+def organism_examples(corpus: OrganismCorpus, split: str, n: int, lengths=EVAL_LENGTHS, tasks=TASKS) -> list:
+    """The first `n` examples of `split` per task and length (tasks that do not fit a length are skipped)."""
+    examples = []
+    for length in lengths:
+        for task in tasks:
+            try:
+                examples += [corpus.example(task, length, split, i) for i in range(n)]
+            except ValueError:  # the task does not fit this length with the window gap
+                continue
+    return examples
+
+
+def evaluate_organism(organism: str, output: str, n: int = 10, threshold: float | None = None, lengths=EVAL_LENGTHS,
                       tasks=TASKS) -> dict:
+    """`threshold` None: the head's saved routing threshold (set on dev by `calibrate`)."""
     from ..evaluation.report import summarize, write_report
     from ..evaluation.runner import evaluate, full, oda, random_matched, streaming_llm
     from ..evaluation.suites import examples_from_organism
     from .demo import load_organism
 
     model, tokenizer, info = load_organism(organism, threshold)
+    threshold = model.oda_config.threshold
     corpus = OrganismCorpus(seed=info.get("seed", 0), window=model.oda_config.window)
-    organism_examples = []
-    for length in lengths:
-        for task in tasks:
-            try:
-                organism_examples += [corpus.example(task, length, "test", i) for i in range(n)]
-            except ValueError:  # the task does not fit this length with the window gap
-                continue
-    examples = examples_from_organism(organism_examples)
+    examples = examples_from_organism(organism_examples(corpus, "test", n, lengths, tasks))
     policies = [full(), streaming_llm(), oda(threshold)] + [random_matched(threshold, s) for s in RANDOM_SEEDS]
     os.makedirs(output, exist_ok=True)
     records = evaluate(model, tokenizer, examples, policies, os.path.join(output, "records.jsonl"))
@@ -62,7 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--organism", default=None, help="organism folder (default: the shipped one)")
     parser.add_argument("--output", default="organism_eval")
     parser.add_argument("--n", type=int, default=10, help="test examples per task and length")
-    parser.add_argument("--threshold", type=float, default=0.0)
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="ODA threshold (default: the head's saved one, chosen on dev by organism.calibrate)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     args = parser.parse_args(argv)
     import torch

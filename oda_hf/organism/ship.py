@@ -19,20 +19,20 @@ from ..model_card import render_template, write_head_model_card
 
 BACKBONE_FILES = ("config.json", "generation_config.json", "model.safetensors", "organism.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json")
-HEAD_FILES = ("config.json", "model.safetensors", "oda_config.json")
+HEAD_FILES = ("config.json", "model.safetensors", "oda_config.json", "calibration.json")
 SHIPPED_BACKBONE_NAME = "oda_hf/organism/assets/backbone"
-POLICY_LABELS = (("full", "Full"), ("streamingllm", "StreamingLLM (always-Local)"), ("oda@0", "ODA (threshold 0)"),
-                 ("random~oda@0", "Random at ODA's per-task rate (seeds 42/43/44)"))
+KIND_LABELS = (("full", "Full"), ("local", "StreamingLLM (always-Local)"), ("oda", "ODA (threshold {theta:g})"),
+               ("random", "Random at ODA's per-task rate (seeds 42/43/44)"))
 
 
 def score_table(summary: dict) -> str:
     lines = ["| method | macro score | pooled Full-call rate | task-averaged rate |", "|---|---:|---:|---:|"]
-    for key, label in POLICY_LABELS:
-        if key in summary:
-            s = summary[key]
+    groups = [v for v in summary.values() if isinstance(v, dict) and "kind" in v]
+    for kind, label in KIND_LABELS:
+        for s in (g for g in groups if g["kind"] == kind):
             std = f" ± {s['macro_score_std']:.1f}" if s.get("macro_score_std") is not None else ""
-            lines.append(f"| {label} | {s['macro_score']:.1f}{std} | {s['pooled_full_call_rate']:.1%} | "
-                         f"{s['task_averaged_full_call_rate']:.1%} |")
+            lines.append(f"| {label.format(theta=summary.get('threshold', 0.0))} | {s['macro_score']:.1f}{std} | "
+                         f"{s['pooled_full_call_rate']:.1%} | {s['task_averaged_full_call_rate']:.1%} |")
     return "\n".join(lines)
 
 
@@ -81,6 +81,17 @@ def ship(backbone: str, head: str, evaluation: str, assets: str) -> None:
     training = ("Trained with `python -m oda_hf.organism.train_head`: the public `oda train-head` on organism "
                 f"training-split sequences only (corpus seed {info.get('seed')}), lambda = {head_model.config.oda_lambda}, "
                 f"tau_hist = {head_model.config.tau_hist}.")
+    calibration_path = os.path.join(assets, "head", "calibration.json")
+    if os.path.exists(calibration_path):
+        with open(calibration_path) as f:
+            calibration = json.load(f)
+        sweep = ", ".join(f"{s['threshold']:g}: {s['macro_score']:.1f} at {s['pooled_full_call_rate']:.0%}"
+                          for s in calibration["sweep"])
+        training += (f" Its routing threshold theta = {calibration['chosen']['threshold']:g} (saved in "
+                     f"`oda_config.json`) was chosen on the dev split ({calibration['examples']} prompts, "
+                     f"`python -m oda_hf.organism.calibrate`): the lowest pooled Full-call rate within "
+                     f"{calibration['tolerance']:g} point of Full's dev score {calibration['full_macro_score']:.1f} "
+                     f"(theta: dev score at rate: {sweep}).")
     evaluation_text = (f"Held-out test split, every task family, {summary['examples']} prompts of {lengths} tokens "
                        f"(`python -m oda_hf.organism.evaluate`):\n\n{table}")
     write_head_model_card(head_model, os.path.join(assets, "head"),
