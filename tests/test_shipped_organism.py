@@ -34,6 +34,16 @@ def test_model_cards_carry_the_evaluation_numbers():
             assert table in f.read(), card
 
 
+def test_shipped_threshold_is_the_dev_calibrated_one_the_evaluation_used():
+    model, _, _ = load_organism()
+    with open(os.path.join(ASSETS, "evaluation", "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(ASSETS, "head", "calibration.json")) as f:
+        calibration = json.load(f)
+    assert calibration["split"] == "dev" and calibration["chosen"]["threshold"] == model.oda_config.threshold
+    assert summary["threshold"] == model.oda_config.threshold and f"oda@{summary['threshold']:g}" in summary
+
+
 def test_shipped_demo_short_variant(tmp_path):
     torch.set_num_threads(1)
     result = run_demo(output=str(tmp_path), prompts=(("niah_single_2", 512),), verbose=False)
