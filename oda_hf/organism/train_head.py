@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--seed", type=int, default=None, help="corpus seed (default: the backbone's)")
     parser.add_argument("--per-task", type=int, default=40, help="training sequences per task and length")
-    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=60)
