@@ -141,11 +141,14 @@ def predicted_ratio(method: str, length: int, steps: int, sinks: int, window: in
     return full / ledger.sequence_flops("oda", length, schedule_first_k(kind[1], PERIOD, steps))
 
 
-def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--length", str(length),
+def run_worker_subprocess(args, length: int, method: str, continuation, script: str = __file__,
+                          extra: tuple[str, ...] = ()) -> dict:
+    """Measure one (length, method) in a fresh `script --worker` process (clean peak memory);
+    `extra` carries the script's own options."""
+    command = [sys.executable, os.path.abspath(script), "--worker", "--method", method, "--length", str(length),
                "--steps", str(args.steps), "--runs", str(args.runs), "--dtype", args.dtype, "--sinks",
                str(args.sinks), "--window", str(args.window), "--threads", str(args.threads), "--seed",
-               str(args.seed)]
+               str(args.seed), *extra]
     if args.tiny:
         command.append("--tiny")
     if continuation is not None:
@@ -190,23 +193,29 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shared_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
+    """Options both decode benchmarks take (lengths, schedule segments, routing, shapes, output, and the
+    hidden options of one worker process)."""
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
-    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=16, help="routed steps per segment (one schedule period)")
     parser.add_argument("--runs", type=int, default=3, help="measured segments after one warm-up segment")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests), not Qwen3-0.6B")
-    parser.add_argument("--output", default="benchmarks/results", help="folder for the table, JSON and PNG")
+    parser.add_argument("--output", default="benchmarks/results", help=output_help)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--continuation", help=argparse.SUPPRESS)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--dtype", default="float32")
+    add_shared_arguments(parser, output_help="folder for the table, JSON and PNG")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))

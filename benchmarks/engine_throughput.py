@@ -32,14 +32,15 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_throughput import PERIOD, QWEN3_0_6B, TINY, build_model, synthetic_history  # noqa: E402
+import decode_throughput  # noqa: E402
+from decode_throughput import (  # noqa: E402
+    PERIOD, QWEN3_0_6B, TINY, add_shared_arguments, build_model, synthetic_history)
 
 SCHEDULES = {"12.5": 2, "25": 4, "50": 8}
 METHODS = ["native-full", *(f"hf-oda-{r}" for r in SCHEDULES), "engine-full", "engine-local",
@@ -145,18 +146,8 @@ def worker(args) -> dict:
 
 
 def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--length", str(length),
-               "--steps", str(args.steps), "--runs", str(args.runs), "--dtype", args.dtype, "--sinks",
-               str(args.sinks), "--window", str(args.window), "--threads", str(args.threads), "--seed",
-               str(args.seed), "--device", args.device, "--bucket-size", str(args.bucket_size)]
-    if args.tiny:
-        command.append("--tiny")
-    if continuation is not None:
-        command += ["--continuation", json.dumps(continuation)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {method} @ {length} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return decode_throughput.run_worker_subprocess(args, length, method, continuation, script=__file__,
+                                                   extra=("--device", args.device, "--bucket-size", str(args.bucket_size)))
 
 
 def format_table(rows: list[dict], device: str) -> str:
@@ -176,22 +167,10 @@ def format_table(rows: list[dict], device: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--methods", default=None, help=f"comma list from {METHODS}; starts with native-full")
-    parser.add_argument("--steps", type=int, default=16, help="routed steps per segment (one schedule period)")
-    parser.add_argument("--runs", type=int, default=3, help="measured segments after one warm-up segment")
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
-    parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--bucket-size", type=int, default=128, help="graph reuse buckets ceil(L / size)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests), not Qwen3-0.6B")
-    parser.add_argument("--output", default="benchmarks/results", help="folder for the table and JSON")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--continuation", help=argparse.SUPPRESS)
+    add_shared_arguments(parser, output_help="folder for the table and JSON")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.worker:

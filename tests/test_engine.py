@@ -35,7 +35,7 @@ from oda_hf.engine import (
     generate_fast,
 )
 from oda_hf.kernels import commit_reference, kernels_interpreted
-from tiny_models import tiny_model
+from tiny_models import left_padded_prompts, tiny_model
 
 BUCKET = 8
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,13 +50,6 @@ def make_model(family="qwen3", policy="head", sinks=2, window=4, **overrides):
     return OdaForCausalLM(base, head, OdaConfig(sinks=sinks, window=window, policy=policy))
 
 
-def prompts(batch=2, length=9, pads=(3, 0), seed=3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
 
 
 GEN = dict(do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -97,7 +90,7 @@ def assert_state_equal(before, engine):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_engine_matches_hf_path(policy):
     model = make_model(policy=POLICIES[policy])
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
     engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
     got = engine_generate(engine, ids, mask, max_new_tokens=20)
@@ -115,7 +108,7 @@ def test_engine_matches_hf_path(policy):
 @pytest.mark.parametrize("policy", ["head", "schedule"])
 def test_engine_matches_hf_path_families(family, policy):
     model = make_model(family, policy=POLICIES[policy])
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     reference = hf_generate(model, ids, mask, max_new_tokens=14)
     engine = OdaStaticEngine(model, max_length=23, batch_size=2, bucket_size=BUCKET)
     assert_same(reference, engine_generate(engine, ids, mask, max_new_tokens=14))
@@ -124,7 +117,7 @@ def test_engine_matches_hf_path_families(family, policy):
 @pytest.mark.parametrize("sinks,window", [(0, 4), (2, 1), (4, 2)])
 def test_edge_geometries_and_wraparounds(sinks, window):
     model = make_model("llama", policy=RandomPolicy(0.3, seed=43), sinks=sinks, window=window)
-    ids, mask = prompts(length=7, pads=(2, 0))
+    ids, mask = left_padded_prompts(length=7, pads=(2, 0))
     reference = hf_generate(model, ids, mask, max_new_tokens=24)
     for kernels in ("sdpa", "reference"):
         engine = OdaStaticEngine(model, max_length=31, batch_size=2, bucket_size=BUCKET, kernels=kernels)
@@ -133,7 +126,7 @@ def test_edge_geometries_and_wraparounds(sinks, window):
 
 def test_sampling_matches_hf_path():
     model = make_model(policy=SchedulePolicy(2, 5))
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     sampling = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, max_new_tokens=16)
     torch.manual_seed(7)
     reference = hf_generate(model, ids, mask, **sampling)
@@ -144,7 +137,7 @@ def test_sampling_matches_hf_path():
 
 def test_eos_stops_rows_like_hf_path():
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     free, _ = hf_generate(model, ids, mask, max_new_tokens=16)
     eos = int(free.sequences[0, ids.shape[1] + 3])  # row 0 emits it as its 4th token
     reference = hf_generate(model, ids, mask, max_new_tokens=16, eos_token_id=eos)
@@ -157,7 +150,7 @@ def test_eos_stops_rows_like_hf_path():
 def test_load_history_then_steps_match_hf_path():
     """The benchmark's protocol: KV from a stock prefill, forced continuation, token-by-token steps."""
     model = make_model(policy=SchedulePolicy(1, 4, run_head=True))
-    ids, _ = prompts(batch=1, pads=(0,))
+    ids, _ = left_padded_prompts(batch=1, pads=(0,))
     with torch.no_grad():
         stock = model.base_model(input_ids=ids, use_cache=True, output_hidden_states=True)
     history = [(layer.keys, layer.values) for layer in stock.past_key_values.layers]
@@ -186,7 +179,7 @@ def test_bucket_keys():
     model = make_model()
     engine = OdaStaticEngine(model, max_length=30, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
     assert engine.capacity == 32  # max_length rounded up to whole buckets
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     engine.prefill(ids, mask, max_new_tokens=20)
     plan = engine.graph_key().plan
     assert engine.graph_key() == GraphKey(2, plan)  # 9 committed columns: L = 10
@@ -195,7 +188,7 @@ def test_bucket_keys():
 
 def test_emulated_graphs_match_eager_bitwise_and_reuse_buckets():
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     eager = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
     graphed = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
     expected = engine_generate(eager, ids, mask, max_new_tokens=20)
@@ -212,7 +205,7 @@ def test_emulated_graphs_match_eager_bitwise_and_reuse_buckets():
 @pytest.mark.parametrize("policy,sinks,window", [("head", 2, 4), ("full", 2, 4), ("local", 2, 1), ("head", 0, 3)])
 def test_warm_up_and_capture_leave_state_bit_identical(policy, sinks, window):
     model = make_model(policy=policy, sinks=sinks, window=window)
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
     twin = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
     tokens = engine.prefill(ids, mask, max_new_tokens=30).argmax(-1)
@@ -231,8 +224,8 @@ def test_warm_up_and_capture_leave_state_bit_identical(policy, sinks, window):
 
 def test_reset_between_requests_forgets_the_previous_one():
     model = make_model(policy=RandomPolicy(0.5, seed=44))
-    first, first_mask = prompts(seed=11, pads=(0, 5))
-    ids, mask = prompts()
+    first, first_mask = left_padded_prompts(seed=11, pads=(0, 5))
+    ids, mask = left_padded_prompts()
     used = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
     engine_generate(used, first, first_mask, max_new_tokens=30)
     fresh = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
@@ -267,7 +260,7 @@ def test_torch_cond_reaches_a_control_flow_dispatch_mode():
             return func(*args, **(kwargs or {}))
 
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     reference = hf_generate(model, ids, mask, max_new_tokens=12)
     engine = OdaStaticEngine(model, max_length=21, batch_size=2, bucket_size=BUCKET, graph_mode="emulate",
                              conditional="cond")
@@ -294,7 +287,7 @@ TRITON_CPU = pytest.mark.skipif(not kernels_interpreted(), reason="needs Triton 
 def test_kernel_backends_agree(baseline, kernels):
     """The direct-ring Triton kernels (interpreted on CPU) and the SDPA backend against the PyTorch reference."""
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     runs = {}
     for backend in (baseline, kernels):
         engine = OdaStaticEngine(model, max_length=17, batch_size=2, bucket_size=BUCKET, kernels=backend)
@@ -342,7 +335,7 @@ def test_hybrids_are_refused_with_a_pointer_to_the_hf_path(family):
 
 def test_unsupported_settings_raise_clearly():
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     engine = OdaStaticEngine(model, max_length=20, batch_size=2, bucket_size=BUCKET)
     for kwargs in (dict(num_beams=2), dict(no_repeat_ngram_size=2), dict(max_time=5.0),
                    dict(logits_processor=[lambda input_ids, scores: scores]), dict(streamer=object())):
@@ -370,7 +363,7 @@ def test_unsupported_settings_raise_clearly():
 
 def test_generate_fast_and_the_kill_switch(monkeypatch):
     model = make_model(policy=SchedulePolicy(1, 2))
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     reference = hf_generate(model, ids, mask, max_new_tokens=10)
     got = generate_fast(model, ids, attention_mask=mask, max_new_tokens=10, **GEN)
     assert_same(reference, (got, model.routing))
@@ -388,7 +381,7 @@ def test_generate_fast_and_the_kill_switch(monkeypatch):
                     reason="model.generate(oda_fast=...) is not wired in oda_hf/modeling.py yet")
 def test_model_generate_oda_fast(monkeypatch):
     model = make_model(policy="head")
-    ids, mask = prompts()
+    ids, mask = left_padded_prompts()
     reference = hf_generate(model, ids, mask, max_new_tokens=10)
     fast = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, oda_fast=True, **GEN)
     assert_same(reference, (fast, model.routing))
@@ -419,7 +412,7 @@ def test_benchmark_script_tiny(tmp_path):
 @pytest.mark.parametrize("policy", ["head", "schedule", "full"])
 def test_cuda_graph_engine_matches_hf_path(policy):
     model = make_model(policy=POLICIES[policy]).cuda()
-    ids, mask = (t.cuda() for t in prompts())
+    ids, mask = (t.cuda() for t in left_padded_prompts())
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
     engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
     assert engine.graph_mode == "cuda"
@@ -431,7 +424,7 @@ def test_cuda_graph_engine_matches_hf_path(policy):
 @GPU
 def test_cuda_graph_capture_leaves_state_bit_identical():
     model = make_model(policy="head").cuda()
-    ids, mask = (t.cuda() for t in prompts())
+    ids, mask = (t.cuda() for t in left_padded_prompts())
     engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
     tokens = engine.prefill(ids, mask, max_new_tokens=30).argmax(-1)
     engine.state.input_ids.copy_(tokens[:, None])

@@ -5,7 +5,7 @@ import torch
 
 from oda_hf import HeadPolicy, OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
 from reference import replay_logits, step_logits_from_reference
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, left_padded_prompts, tiny_model
 
 TOL = 2e-5
 
@@ -23,20 +23,13 @@ def run_and_compare(base, ids, mask, sinks, window, policy, max_new_tokens=14, h
     return model, out, ref
 
 
-def padded(batch, length, pads, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("policy", ["local", SchedulePolicy(1, 3), RandomPolicy(0.4, seed=42)],
                          ids=["local", "schedule", "random"])
 def test_routing_matches_masked_reference(family, policy):
-    ids, mask = padded(2, 9, pads=[3, 0])
+    ids, mask = left_padded_prompts(2, 9, pads=[3, 0])
     run_and_compare(tiny_model(family), ids, mask, sinks=2, window=4, policy=policy)
 
 
@@ -45,7 +38,7 @@ def test_learned_head_routing_matches_reference(family):
     base = tiny_model(family)
     torch.manual_seed(0)
     head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
-    ids, mask = padded(2, 9, pads=[2, 0])
+    ids, mask = left_padded_prompts(2, 9, pads=[2, 0])
     model, _, _ = run_and_compare(base, ids, mask, sinks=2, window=4, policy=HeadPolicy(0.0), head=head)
     decisions = model.routing.decisions
     assert decisions.any() and not decisions.all()  # a real mix, so the test exercises both branches
@@ -58,7 +51,7 @@ def test_learned_head_routing_matches_reference(family):
 def test_window_boundaries(anchor, prompt_len_offset):
     sinks, window = 3, 6
     length = (window if anchor == "w" else sinks + window) + prompt_len_offset
-    ids, mask = padded(1, length, pads=[0])
+    ids, mask = left_padded_prompts(1, length, pads=[0])
     base = tiny_model("qwen3")
     _, out, ref = run_and_compare(base, ids, mask, sinks, window, "local", max_new_tokens=12)
     # Up to position s + w the Local and Full access sets coincide: the first outputs equal the stock model's.
@@ -73,20 +66,20 @@ def test_window_boundaries(anchor, prompt_len_offset):
 
 @pytest.mark.parametrize("sinks,window", [(0, 4), (2, 1), (4, 2), (1, 3)])
 def test_edge_geometries_and_many_wraparounds(sinks, window):
-    ids, mask = padded(2, 7, pads=[2, 0])
+    ids, mask = left_padded_prompts(2, 7, pads=[2, 0])
     run_and_compare(tiny_model("llama"), ids, mask, sinks, window, RandomPolicy(0.3, seed=43), max_new_tokens=30)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_gqa_ratios(kv_heads):
-    ids, mask = padded(2, 8, pads=[1, 0])
+    ids, mask = left_padded_prompts(2, 8, pads=[1, 0])
     base = tiny_model("qwen3", num_key_value_heads=kv_heads)
     run_and_compare(base, ids, mask, 2, 4, SchedulePolicy(2, 5))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_eager_attention_matches_reference(family):
-    ids, mask = padded(2, 9, pads=[3, 0])
+    ids, mask = left_padded_prompts(2, 9, pads=[3, 0])
     run_and_compare(tiny_model(family, attn_implementation="eager"), ids, mask, 2, 4, SchedulePolicy(1, 2))
 
 
@@ -95,7 +88,7 @@ def test_left_padded_batch_equals_rows_alone(family):
     base = tiny_model(family)
     torch.manual_seed(0)
     head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
-    ids, mask = padded(3, 10, pads=[4, 0, 2])
+    ids, mask = left_padded_prompts(3, 10, pads=[4, 0, 2])
     model = OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4, policy="head"))
     batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     batch_decisions = model.routing.decisions
@@ -109,7 +102,7 @@ def test_left_padded_batch_equals_rows_alone(family):
 def test_reference_detects_wrong_decisions():
     """The reference is sensitive to routing: replaying flipped decisions does not match."""
     base = tiny_model("qwen3")
-    ids, mask = padded(2, 9, pads=[3, 0])
+    ids, mask = left_padded_prompts(2, 9, pads=[3, 0])
     model, out, ref = run_and_compare(base, ids, mask, 2, 4, SchedulePolicy(1, 2))
     flipped = replay_logits(base, out.sequences, mask, ~model.routing.decisions, 2, 4)
     flipped = step_logits_from_reference(flipped, ids.shape[1], 14)

@@ -58,3 +58,13 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa", **
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)
     return model
+
+
+def left_padded_prompts(batch: int = 2, length: int = 9, pads=(3, 0), seed: int = 3):
+    """Random prompt ids and an attention mask with `pads[row]` left-padding positions per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask

@@ -149,8 +149,8 @@ def _fits(task: str, length: int, gap: int) -> bool:
     return min_length(task, gap) <= length
 
 
-def batch_examples(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
-    """The task examples of `step` (a pure function of the seed and the step)."""
+def _draw_batch(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
+    """The task examples of `step`, its prompt length and its sequence count (drills included)."""
     stage = cfg.stage(step)
     rng = random.Random(_derive_seed(cfg.seed, "batch", step))
     length = rng.choice(stage.lengths)
@@ -160,19 +160,23 @@ def batch_examples(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
         raise ValueError(f"no task of {stage.tasks or TASKS} fits length {length} with gap {gap}")
     n = max(1, stage.batch_tokens // length)
     n_tasks = n - round(stage.copy_fraction * n)
-    return [corpus.example(rng.choice(tasks), length, "train", step * 4096 + j, min_gap=gap) for j in range(n_tasks)]
+    examples = [corpus.example(rng.choice(tasks), length, "train", step * 4096 + j, min_gap=gap)
+                for j in range(n_tasks)]
+    return examples, length, n
+
+
+def batch_examples(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
+    """The task examples of `step` (a pure function of the seed and the step)."""
+    return _draw_batch(corpus, cfg, step)[0]
 
 
 def batch_sequences(corpus: OrganismCorpus, cfg: TrainConfig, step: int):
     """The training sequences of `step` and, per sequence, whether it is trained with a Local view:
     the stage's task examples, then its copy drills (same length)."""
-    stage = cfg.stage(step)
-    examples = batch_examples(corpus, cfg, step)
-    length = random.Random(_derive_seed(cfg.seed, "batch", step)).choice(stage.lengths)  # as batch_examples drew it
-    n = max(1, stage.batch_tokens // length)
+    examples, length, n = _draw_batch(corpus, cfg, step)
     sequences = [training_sequence(ex, filler_weight=1.0) for ex in examples]
     sequences += [copy_sequence(_derive_seed(cfg.seed, "copy", step, j), length) for j in range(n - len(examples))]
-    n_local = round(stage.local_view * len(examples))
+    n_local = round(cfg.stage(step).local_view * len(examples))
     return sequences, [j < n_local for j in range(len(sequences))]
 
 
