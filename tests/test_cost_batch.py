@@ -242,3 +242,42 @@ def test_closed_form_any_row_probability():
     no_recall = model.oda_step_expected([32_768] * 8, 0.0, "whole").flops
     assert oda - no_recall == pytest.approx((1 - 0.875 ** 8) * full_pass, rel=1e-12)
     assert math.isclose(rows[1].speedup, model.speedup([32_768] * 8, 0.125, "whole"))
+
+
+# --- the benchmark script ----------------------------------------------------------------------------
+
+
+def _benchmark_module():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "batch_economics.py")
+    spec = importlib.util.spec_from_file_location("batch_economics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_latency_model_fitted_on_full_predicts_the_papers_oda_speedups():
+    """Two constants fitted to the paper's five batch-1 Full throughputs predict its fifteen ODA ones."""
+    model, rows = _benchmark_module().calibrate_on_paper()
+    assert len(rows) == 15
+    assert 1.0e12 < model.hardware.bandwidth < HARDWARE["a100-sxm-80gb"].bandwidth  # below the datasheet
+    assert 0 < model.pass_overhead_s < 5e-3
+    for row in rows:
+        assert row["calibrated"] == pytest.approx(row["paper_measured"], rel=0.06)
+        assert row["roofline"] > row["paper_measured"]
+
+
+def test_benchmark_script_writes_plot_and_tables(tmp_path):
+    import json
+
+    assert _benchmark_module().main(["--max-batch", "4", "--histories", "8192", "--rates", "0.25",
+                                     "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "batch_economics.json").read_text())
+    model = BatchCostModel(CostLedger.qwen3_1_7b())
+    assert data["batches"] == [1, 2, 3, 4]
+    assert data["speedup"]["roofline"]["8192"]["0.25"]["rows"][3] == pytest.approx(
+        model.speedup([8192] * 4, 0.25, "rows"))
+    assert (tmp_path / "batch_economics.png").stat().st_size > 10_000
+    assert "| 8,192 | 4 | 0.25 | rows |" in (tmp_path / "batch_economics.md").read_text()
