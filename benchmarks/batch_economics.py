@@ -129,7 +129,7 @@ def _markdown(model, calibrated, table, calibrated_table, continuous, spread, ca
         f"s = 4, w = 2048, per-row recalls ~ Bernoulli(rate). Per step: Full ms / ODA ms are model seconds, "
         "GB are bytes read (weights once per pass, each row's own KV); Speedup = Full ms / ODA ms, the "
         "throughput ratio at that batch.", "",
-        "whole = the whole batch reruns Full when any row recalls; rows = only the recalling rows rerun Full.", "",
+        "whole = the whole batch reruns Full when any row recalls; rows = only the recalling rows rerun Full; masked = every row through the Full pass's projections and MLP, history attention only for the recalling rows.", "",
         f"## Roofline, {hw.name} ({hw.peak_flops / 1e12:g} TFLOP/s, {hw.bandwidth / 1e12:g} TB/s), "
         "every row at one history", "", format_batch_table(table), "",
         f"## Continuous batching, same hardware: 16 rows at {spread[0]:,} .. {spread[-1]:,} tokens (evenly spaced)",

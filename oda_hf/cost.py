@@ -547,7 +547,10 @@ def format_flops_table(rows: Sequence[FlopsRow], style: str = "markdown") -> str
 #
 # * "whole": if any row recalls, the whole batch reruns Full and each row keeps its selected
 #   candidate (what `OdaForCausalLM` and `OdaStaticEngine` do: one device predicate per step);
-# * "rows":  only the recalling rows rerun Full (a gathered sub-batch or a per-row kernel mask).
+# * "rows":  only the recalling rows rerun Full (a gathered sub-batch of the recalling rows);
+# * "masked": the Full pass runs every row through the projections and MLP (fixed shapes, so one
+#   captured graph serves every pattern) but attention reads history only for the recalling rows
+#   (the others' attention lengths masked to zero on the device).
 #
 # Rows may sit at different history lengths (continuous batching): every function takes one length
 # per row. Recalls are per-row independent Bernoulli(rate) draws for the expectations; the
@@ -564,7 +567,7 @@ def format_flops_table(rows: Sequence[FlopsRow], style: str = "markdown") -> str
 # batch touches more experts than one token does). `pass_overhead_s` stands for the paper's
 # execution overheads D (launch and bookkeeping cost per pass), zero by default.
 
-BATCH_MODES = ("whole", "rows")
+BATCH_MODES = ("whole", "rows", "masked")
 
 
 @dataclass(frozen=True)
@@ -678,9 +681,16 @@ class BatchCostModel:
         if len(decisions) != len(lengths):
             raise ValueError(f"Need one decision per row: {len(decisions)} decisions for {len(lengths)} rows.")
         recalled = [n for n, a in zip(lengths, decisions) if a]
-        if mode == "whole" and recalled:
-            recalled = lengths
-        full = self._pass(recalled, local=False) if recalled else _ZERO
+        if not recalled:
+            full = _ZERO
+        elif mode == "whole":
+            full = self._pass(lengths, local=False)
+        elif mode == "rows":
+            full = self._pass(recalled, local=False)
+        else:  # masked: every row through the linear layers, history attention for the recalling rows only
+            full = self._linear(len(lengths))
+            for n in recalled:
+                full = full + self._attention(n, local=False)
         return self._pass(lengths, local=True) + self._head(len(lengths)) + full + self._output(len(lengths))
 
     # -- expectations over independent Bernoulli(rate) recalls ---------------------------------------------
@@ -691,6 +701,8 @@ class BatchCostModel:
         rows: each row's Full attention with probability `rate`; the Full pass's weight read and
         overhead whenever at least one row recalls; its linear-phase time averaged over the
         Binomial(B, rate) count of recalling rows (the roofline is not linear in the count).
+        masked: the linear phase of all B rows with probability ``1 - (1 - rate)^B``, each row's
+        Full attention with probability `rate`.
         """
         lengths = _check_lengths(lengths)
         _check_mode(mode)
@@ -704,6 +716,8 @@ class BatchCostModel:
         attention = _ZERO
         for n in lengths:
             attention = attention + self._attention(n, local=False)
+        if mode == "masked":
+            return base + attention.scaled(rate) + self._linear(rows).scaled(p_any)
         linear = _ZERO
         for k in range(1, rows + 1):
             linear = linear + self._linear(k).scaled(math.comb(rows, k) * rate ** k * (1.0 - rate) ** (rows - k))
@@ -824,8 +838,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                        help="one history length per row (continuous batching; the batch is their count)")
     batch.add_argument("--rate", type=_float_list, default=[0.125, 0.25, 0.5],
                        help="per-row Full-call probability rho, comma-separated (default 0.125,0.25,0.5)")
-    batch.add_argument("--mode", choices=(*BATCH_MODES, "both"), default="both",
-                       help="Full retry for the whole batch when any row recalls, or for the recalling rows only")
+    batch.add_argument("--mode", choices=(*BATCH_MODES, "all"), default="all",
+                       help="Full retry for the whole batch when any row recalls (whole), for the recalling rows "
+                            "only (rows), or all rows' projections with only the recalling rows' attention (masked)")
     batch.add_argument("--hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
                        help=f"roofline peak and bandwidth (default {DEFAULT_HARDWARE})")
     batch.add_argument("--pass-overhead-us", type=float, default=0.0,
@@ -891,13 +906,14 @@ def _run_batch_cli(args, ledger: CostLedger) -> int:
     if args.pass_overhead_us < 0:
         raise SystemExit("oda flops: --pass-overhead-us must be >= 0.")
     model = BatchCostModel(ledger, args.hardware, pass_overhead_s=args.pass_overhead_us * 1e-6)
-    modes = BATCH_MODES if args.mode == "both" else (args.mode,)
+    modes = BATCH_MODES if args.mode == "all" else (args.mode,)
     rows = batch_table(model, args.batch or [], args.rate, lengths, modes)
     print(ledger.shape.describe())
     print(f"{model.hardware.name}: {model.hardware.peak_flops / 1e12:g} TFLOP/s, "
           f"{model.hardware.bandwidth / 1e12:g} TB/s; BF16 weights and KV, FP32 head; "
           f"Local range s + w = {ledger.sinks} + {ledger.window}; per-row recalls ~ Bernoulli(rate)")
-    print("whole = Full for the whole batch when any row recalls; rows = Full for the recalling rows only")
+    print("whole = Full for the whole batch when any row recalls; rows = Full for the recalling rows only; "
+          "masked = all rows' projections, recalling rows' attention")
     print()
     print(format_batch_table(rows))
     return 0

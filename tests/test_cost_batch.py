@@ -46,7 +46,7 @@ def _enumerate(model, lengths, rate, mode):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
-@pytest.mark.parametrize("mode", ["whole", "rows"])
+@pytest.mark.parametrize("mode", ["whole", "rows", "masked"])
 @pytest.mark.parametrize("lengths", [[9], [3, 9], [9, 9, 9], [1, 5, 7, 40], [6, 7, 30, 2, 100]])
 @pytest.mark.parametrize("rate", [0.0, 0.125, 0.5, 0.9, 1.0])
 def test_expectation_equals_enumeration_of_all_patterns(family, mode, lengths, rate):
@@ -68,8 +68,10 @@ def test_pattern_flops_follow_the_per_step_ledger():
         rows = sum(s.oda(a) for s, a in zip(steps, pattern))
         local = sum(s.backbone + s.attention_local + s.head + s.output for s in steps)
         whole = local + any(pattern) * sum(s.backbone + s.attention_full for s in steps)
+        masked = local + sum(any(pattern) * s.backbone + a * s.attention_full for s, a in zip(steps, pattern))
         assert model.oda_step_pattern(lengths, pattern, "rows").flops == rows
         assert model.oda_step_pattern(lengths, pattern, "whole").flops == whole
+        assert model.oda_step_pattern(lengths, pattern, "masked").flops == masked
     assert model.full_step(lengths).flops == sum(s.full for s in (ledger.step_costs(n) for n in lengths))
 
 
@@ -90,6 +92,7 @@ def test_pattern_bytes_count_weights_once_per_pass_and_kv_per_row():
     assert model.oda_step_pattern(lengths, one, "rows").bytes == 2 * weights + local_kv + 20 * kv_per_position + head + output
     assert model.oda_step_pattern(lengths, one, "whole").bytes == (2 * weights + local_kv + 60 * kv_per_position
                                                                    + head + output)
+    assert model.oda_step_pattern(lengths, one, "masked").bytes == model.oda_step_pattern(lengths, one, "rows").bytes
 
 
 # --- reductions and orderings ------------------------------------------------------------------------
@@ -101,13 +104,15 @@ def test_batch_one_reduces_to_the_per_step_ledger(n):
     step = model.ledger.step_costs(n)
     assert model.full_step([n]).flops == step.full
     for recall in (False, True):
-        for mode in ("whole", "rows"):
+        for mode in ("whole", "rows", "masked"):
             assert model.oda_step_pattern([n], [recall], mode).flops == step.oda(recall)
     for rate in (0.0, 0.125, 0.5, 1.0):
-        # Both modes coincide at batch 1, and the FLOPs are the paper's T_ODA(n, rho) in FLOPs.
-        whole, rows = model.oda_step_expected([n], rate, "whole"), model.oda_step_expected([n], rate, "rows")
-        assert (whole.flops, whole.bytes) == (rows.flops, rows.bytes)
-        assert whole.seconds == pytest.approx(rows.seconds, rel=1e-12)
+        # The modes coincide at batch 1, and the FLOPs are the paper's T_ODA(n, rho) in FLOPs.
+        whole = model.oda_step_expected([n], rate, "whole")
+        for mode in ("rows", "masked"):
+            other = model.oda_step_expected([n], rate, mode)
+            assert (whole.flops, whole.bytes) == pytest.approx((other.flops, other.bytes), rel=1e-12)
+            assert whole.seconds == pytest.approx(other.seconds, rel=1e-12)
         _, t_oda = model.ledger.speed_model(n, rate)
         assert whole.flops == pytest.approx(t_oda, rel=1e-12)
 
@@ -122,6 +127,12 @@ def test_rows_never_costs_more_than_whole():
             assert rows.seconds <= whole.seconds * (1 + 1e-12)
             if rate in (0.0, 1.0) or len(lengths) == 1:
                 assert rows.seconds == pytest.approx(whole.seconds, rel=1e-12)
+            # masked reads what rows reads; it runs every row's projections, which costs FLOPs but, at
+            # these batch sizes (weight-bandwidth bound), no time.
+            masked = model.oda_step_expected(lengths, rate, "masked")
+            assert masked.bytes == pytest.approx(rows.bytes, rel=1e-12)
+            assert rows.flops * (1 - 1e-12) <= masked.flops <= whole.flops * (1 + 1e-12)
+            assert masked.seconds == pytest.approx(rows.seconds, rel=1e-12)
     # The strict gap in the brief's case: many rows, a few recalls.
     assert model.speedup([32_768] * 16, 0.125, "rows") > 2 * model.speedup([32_768] * 16, 0.125, "whole")
 
@@ -178,6 +189,8 @@ def test_bad_inputs_are_refused():
     model = _tiny_model()
     with pytest.raises(ValueError, match="mode"):
         model.oda_step_expected([5], 0.1, "partial")
+    with pytest.raises(ValueError, match="mode"):
+        model.oda_step_pattern([5], [True], "both")
     with pytest.raises(ValueError, match="rate"):
         model.oda_step_expected([5], 1.5, "rows")
     with pytest.raises(ValueError, match="one decision per row"):
@@ -206,7 +219,7 @@ def test_cli_batch_economics(capsys):
     model = BatchCostModel(CostLedger.qwen3_1_7b())
     assert "NVIDIA H100 SXM" in out
     for batch in (1, 8):
-        for mode in ("whole", "rows"):
+        for mode in ("whole", "rows", "masked"):
             speedup = model.speedup([32_768] * batch, 0.25, mode)
             assert f"| 32,768 | {batch} | 0.25 | {mode} |" in out
             assert f"| {speedup:.3f} |" in out
