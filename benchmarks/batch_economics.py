@@ -11,7 +11,7 @@ continuous-batching example and a batch-1 comparison with the paper's measured A
 
 Usage:
   python benchmarks/batch_economics.py                         # H100 SXM, 32K and 128K, B = 1..64
-  python benchmarks/batch_economics.py --hardware a100-sxm-80gb --out /tmp/a100
+  python benchmarks/batch_economics.py --hardware a100-sxm-80gb --out results_a100
 """
 
 from __future__ import annotations
