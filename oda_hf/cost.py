@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -128,6 +129,7 @@ class LayerShape:
     query_heads: int = 0
     head_dim: int = 0
     span: int | None = None  # sliding window or attention chunk size
+    kv_heads: int = 0  # K/V heads the layer reads (its source layer's on KV-shared layers); prices KV bytes
 
     def positions_read(self, n: int, local_range: int | None = None) -> int:
         """Positions this layer attends to at history length `n` (current token included).
@@ -308,7 +310,7 @@ def _attention_layer(index, cache_type, kind, config, layer_config, model_type, 
         span = layer_config.sliding_window
     elif kind == "chunked_attention":
         span = layer_config.attention_chunk_size
-    return LayerShape(index, cache_type, kind, macs, hq, hd, span)
+    return LayerShape(index, cache_type, kind, macs, hq, hd, span, hkv)
 
 
 def _gated_deltanet_macs(layer_config) -> int:
@@ -537,6 +539,262 @@ def format_flops_table(rows: Sequence[FlopsRow], style: str = "markdown") -> str
     return "\n".join(lines)
 
 
+# --- batch economics: many rows per step (docs/serving.md) ---------------------------------------
+#
+# A batched decode step runs every row through one pass, so weights are read once per pass however
+# many rows it carries, while attention reads each row's own KV. ODA adds a Local pass and the head
+# for every row, and a Full pass for the rows that recall. Two ways to run that Full pass:
+#
+# * "whole": if any row recalls, the whole batch reruns Full and each row keeps its selected
+#   candidate (what `OdaForCausalLM` and `OdaStaticEngine` do: one device predicate per step);
+# * "rows":  only the recalling rows rerun Full (a gathered sub-batch of the recalling rows);
+# * "masked": the Full pass runs every row through the projections and MLP (fixed shapes, so one
+#   captured graph serves every pattern) but attention reads history only for the recalling rows
+#   (the others' attention lengths masked to zero on the device).
+#
+# Rows may sit at different history lengths (continuous batching): every function takes one length
+# per row. Recalls are per-row independent Bernoulli(rate) draws for the expectations; the
+# `*_pattern` functions take a given decision pattern instead.
+#
+# Latency is a roofline per kernel phase, ``max(FLOPs / peak, bytes / bandwidth)``, summed over the
+# phases of a step: linear (projections + MLP: all rows of a pass share one weight read), attention
+# (priced per row, since each row streams its own KV; equal to the batch roofline whenever rows have
+# the same arithmetic intensity, which holds for every layer whose Hq/Hkv is fixed), the recall head
+# (FP32 weights) and the output projection (once per step). Assumptions: weights and KV are read
+# from device memory once per pass (no cross-pass reuse in on-chip caches); activations, embeddings,
+# KV writes of the current token and recurrent (Gated DeltaNet) state traffic are not counted; the
+# weights a token touches are its multiply-adds (exact for dense models; for Gemma4's MoE block a
+# batch touches more experts than one token does). `pass_overhead_s` stands for the paper's
+# execution overheads D (launch and bookkeeping cost per pass), zero by default.
+
+BATCH_MODES = ("whole", "rows", "masked")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """An accelerator for the roofline: dense peak FLOP/s at the backbone dtype and memory bandwidth (B/s)."""
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+
+
+#: Datasheet numbers (dense BF16 tensor-core peak, HBM bandwidth); replace with measured ones when known.
+HARDWARE = {
+    "h100-sxm": Hardware("NVIDIA H100 SXM (BF16 dense)", 989.4e12, 3.35e12),
+    "a100-sxm-80gb": Hardware("NVIDIA A100 SXM 80GB (BF16 dense)", 312e12, 2.039e12),
+}
+DEFAULT_HARDWARE = "h100-sxm"
+
+
+@dataclass(frozen=True)
+class BatchStepCost:
+    """Cost of one batched decode step (or its expectation): FLOPs, bytes read, roofline seconds."""
+
+    flops: float
+    bytes: float
+    seconds: float
+
+    def __add__(self, other: "BatchStepCost") -> "BatchStepCost":
+        return BatchStepCost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds)
+
+    def scaled(self, factor: float) -> "BatchStepCost":
+        return BatchStepCost(self.flops * factor, self.bytes * factor, self.seconds * factor)
+
+
+_ZERO = BatchStepCost(0.0, 0.0, 0.0)
+
+
+class BatchCostModel:
+    """Per-step FLOPs, bytes and roofline latency of native Full and ODA for a batch of rows.
+
+    Args:
+        ledger: the per-token terms (`CostLedger`: model shape, head size, ``s`` and ``w``).
+        hardware: a `Hardware` or a key of `HARDWARE` (default H100 SXM).
+        weight_bytes: bytes per backbone / output-projection weight (2 for BF16).
+        kv_bytes: bytes per cached K or V element (2 for BF16).
+        head_weight_bytes: bytes per recall-head weight (4: the head runs in FP32).
+        pass_overhead_s: fixed seconds added to every backbone pass (the paper's D terms).
+    """
+
+    def __init__(self, ledger: CostLedger, hardware: Hardware | str = DEFAULT_HARDWARE, weight_bytes: int = 2,
+                 kv_bytes: int = 2, head_weight_bytes: int = 4, pass_overhead_s: float = 0.0):
+        if isinstance(hardware, str):
+            if hardware not in HARDWARE:
+                raise ValueError(f"Unknown hardware {hardware!r}; use one of {sorted(HARDWARE)} or pass a Hardware.")
+            hardware = HARDWARE[hardware]
+        if min(weight_bytes, kv_bytes, head_weight_bytes) <= 0 or pass_overhead_s < 0:
+            raise ValueError("Byte sizes must be positive and pass_overhead_s non-negative.")
+        self.ledger, self.hardware = ledger, hardware
+        self.weight_bytes, self.kv_bytes, self.head_weight_bytes = weight_bytes, kv_bytes, head_weight_bytes
+        self.pass_overhead_s = float(pass_overhead_s)
+
+    # -- per-row and per-pass pieces ---------------------------------------------------------------
+    def kv_bytes_read(self, n: int, local: bool) -> int:
+        """K and V bytes one row reads over all layers at history `n` (Full, or Local when `local`)."""
+        local_range = self.ledger.local_range if local else None
+        return sum(2 * layer.kv_heads * layer.head_dim * self.kv_bytes * layer.positions_read(n, local_range)
+                   for layer in self.ledger.shape.layers)
+
+    def _attention(self, n: int, local: bool) -> BatchStepCost:
+        flops = self.ledger.shape.attention_flops(n, self.ledger.local_range if local else None)
+        nbytes = self.kv_bytes_read(n, local)
+        return BatchStepCost(flops, nbytes, self.hardware.seconds(flops, nbytes))
+
+    def _linear(self, rows: int) -> BatchStepCost:
+        """Projections + MLP for `rows` rows in one pass: the weights are read once for all of them."""
+        if rows == 0:
+            return _ZERO
+        flops = rows * self.ledger.shape.backbone_flops
+        nbytes = self.ledger.shape.backbone_flops // 2 * self.weight_bytes
+        return BatchStepCost(flops, nbytes, self.hardware.seconds(flops, nbytes) + self.pass_overhead_s)
+
+    def _head(self, rows: int) -> BatchStepCost:
+        flops, nbytes = rows * self.ledger.head_flops, self.ledger.head_params * self.head_weight_bytes
+        return BatchStepCost(flops, nbytes, self.hardware.seconds(flops, nbytes))
+
+    def _output(self, rows: int) -> BatchStepCost:
+        shape = self.ledger.shape
+        flops, nbytes = rows * shape.output_flops, shape.hidden_size * shape.vocab_size * self.weight_bytes
+        return BatchStepCost(flops, nbytes, self.hardware.seconds(flops, nbytes))
+
+    def _pass(self, lengths: Sequence[int], local: bool) -> BatchStepCost:
+        total = self._linear(len(lengths))
+        for n in lengths:
+            total = total + self._attention(n, local)
+        return total
+
+    # -- one step with given decisions -----------------------------------------------------------------
+    def full_step(self, lengths: Sequence[int]) -> BatchStepCost:
+        """Native Full: one pass over every row, then the output projection."""
+        lengths = _check_lengths(lengths)
+        return self._pass(lengths, local=False) + self._output(len(lengths))
+
+    def oda_step_pattern(self, lengths: Sequence[int], decisions: Sequence[bool], mode: str) -> BatchStepCost:
+        """ODA with a given decision per row (True = Full): Local pass + head for every row, the
+        Full pass as `mode` runs it, one output projection."""
+        lengths = _check_lengths(lengths)
+        _check_mode(mode)
+        if len(decisions) != len(lengths):
+            raise ValueError(f"Need one decision per row: {len(decisions)} decisions for {len(lengths)} rows.")
+        recalled = [n for n, a in zip(lengths, decisions) if a]
+        if not recalled:
+            full = _ZERO
+        elif mode == "whole":
+            full = self._pass(lengths, local=False)
+        elif mode == "rows":
+            full = self._pass(recalled, local=False)
+        else:  # masked: every row through the linear layers, history attention for the recalling rows only
+            full = self._linear(len(lengths))
+            for n in recalled:
+                full = full + self._attention(n, local=False)
+        return self._pass(lengths, local=True) + self._head(len(lengths)) + full + self._output(len(lengths))
+
+    # -- expectations over independent Bernoulli(rate) recalls ---------------------------------------------
+    def oda_step_expected(self, lengths: Sequence[int], rate: float, mode: str) -> BatchStepCost:
+        """Expected ODA step cost when every row recalls independently with probability `rate`.
+
+        whole: the Full pass over all rows runs with probability ``1 - (1 - rate)^B``.
+        rows: each row's Full attention with probability `rate`; the Full pass's weight read and
+        overhead whenever at least one row recalls; its linear-phase time averaged over the
+        Binomial(B, rate) count of recalling rows (the roofline is not linear in the count).
+        masked: the linear phase of all B rows with probability ``1 - (1 - rate)^B``, each row's
+        Full attention with probability `rate`.
+        """
+        lengths = _check_lengths(lengths)
+        _check_mode(mode)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be a probability in [0, 1]; got {rate}.")
+        rows = len(lengths)
+        p_any = 1.0 - (1.0 - rate) ** rows
+        base = self._pass(lengths, local=True) + self._head(rows) + self._output(rows)
+        if mode == "whole":
+            return base + self._pass(lengths, local=False).scaled(p_any)
+        attention = _ZERO
+        for n in lengths:
+            attention = attention + self._attention(n, local=False)
+        if mode == "masked":
+            return base + attention.scaled(rate) + self._linear(rows).scaled(p_any)
+        linear = _ZERO
+        for k in range(1, rows + 1):
+            linear = linear + self._linear(k).scaled(math.comb(rows, k) * rate ** k * (1.0 - rate) ** (rows - k))
+        return base + attention.scaled(rate) + linear
+
+    def speedup(self, lengths: Sequence[int], rate: float, mode: str) -> float:
+        """Native Full's step time over ODA's expected step time (= throughput ratio at a fixed batch)."""
+        return self.full_step(lengths).seconds / self.oda_step_expected(lengths, rate, mode).seconds
+
+    def flops_ratio(self, lengths: Sequence[int], rate: float, mode: str) -> float:
+        """Native Full's step FLOPs over ODA's expected step FLOPs."""
+        return self.full_step(lengths).flops / self.oda_step_expected(lengths, rate, mode).flops
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"Need at least one row and history lengths >= 1 (current token included); got {lengths}.")
+    return lengths
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in BATCH_MODES:
+        raise ValueError(f"mode must be one of {BATCH_MODES}; got {mode!r}.")
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One row of a batch-economics table (per step; `speedup` and `flops_ratio` relative to native Full)."""
+
+    batch: int
+    rate: float
+    mode: str
+    mean_history: float
+    full: BatchStepCost
+    oda: BatchStepCost
+    p_any: float
+
+    @property
+    def speedup(self) -> float:
+        return self.full.seconds / self.oda.seconds
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.full.flops / self.oda.flops
+
+
+def batch_table(model: BatchCostModel, batches: Sequence[int], rates: Sequence[float], histories: Sequence[int],
+                modes: Sequence[str] = BATCH_MODES) -> list[BatchRow]:
+    """Rows for every (history, rate, batch, mode): `histories` are per-row lengths of one batch when
+    `batches` is empty (continuous batching), else one length that every row of each batch shares."""
+    groups = [[list(histories)]] if not batches else [[[n] * b for b in batches] for n in histories]
+    rows = []
+    for lengths_group in groups:
+        for rate in rates:
+            for lengths in lengths_group:
+                full = model.full_step(lengths)
+                p_any = 1.0 - (1.0 - rate) ** len(lengths)
+                for mode in modes:
+                    rows.append(BatchRow(len(lengths), rate, mode, sum(lengths) / len(lengths), full,
+                                         model.oda_step_expected(lengths, rate, mode), p_any))
+    return rows
+
+
+def format_batch_table(rows: Sequence[BatchRow]) -> str:
+    """A markdown table: per-step seconds and GB for native Full and ODA, speedup and FLOPs ratio."""
+    header = ["Mean history", "Batch", "Rate", "Mode", "P(any Full)", "Full ms", "ODA ms", "Full GB", "ODA GB",
+              "Speedup", "Full/ODA FLOPs"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * 3 + [":---"] + ["---:"] * 7) + "|"]
+    for r in rows:
+        cells = [f"{r.mean_history:,.0f}", str(r.batch), f"{r.rate:g}", r.mode, f"{r.p_any:.3f}",
+                 f"{r.full.seconds * 1e3:.3f}", f"{r.oda.seconds * 1e3:.3f}", f"{r.full.bytes / 1e9:.2f}",
+                 f"{r.oda.bytes / 1e9:.2f}", f"{r.speedup:.3f}", f"{r.flops_ratio:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # --- `oda flops` -------------------------------------------------------------------------------
 
 
@@ -571,8 +829,34 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's or 2048)")
     parser.add_argument("--format", choices=("markdown", "plain"), default="markdown", dest="table_format",
                         help="table style (default markdown)")
+    batch = parser.add_argument_group(
+        "batch economics", "per-step FLOPs, bytes and roofline latency for a batch of rows (docs/serving.md); "
+                           "given --batch or --histories, these replace the sequence table")
+    batch.add_argument("--batch", type=_int_list, default=None, help="comma-separated batch sizes, e.g. 1,8,64")
+    batch.add_argument("--history", type=int, default=None, help="history length n of every row (with --batch)")
+    batch.add_argument("--histories", type=_int_list, default=None,
+                       help="one history length per row (continuous batching; the batch is their count)")
+    batch.add_argument("--rate", type=_float_list, default=[0.125, 0.25, 0.5],
+                       help="per-row Full-call probability rho, comma-separated (default 0.125,0.25,0.5)")
+    batch.add_argument("--mode", choices=(*BATCH_MODES, "all"), default="all",
+                       help="Full retry for the whole batch when any row recalls (whole), for the recalling rows "
+                            "only (rows), or all rows' projections with only the recalling rows' attention (masked)")
+    batch.add_argument("--hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
+                       help=f"roofline peak and bandwidth (default {DEFAULT_HARDWARE})")
+    batch.add_argument("--pass-overhead-us", type=float, default=0.0,
+                       help="fixed microseconds per backbone pass (launch/bookkeeping; default 0)")
     parser.set_defaults(func=run_cli)
     return parser
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
 
 
 def run_cli(args) -> int:
@@ -587,6 +871,8 @@ def run_cli(args) -> int:
     sinks = next(v for v in (args.sinks, head.get("sinks"), DEFAULT_SINKS) if v is not None)
     window = next(v for v in (args.window, head.get("window"), DEFAULT_WINDOW) if v is not None)
     ledger = CostLedger(shape, head_params, sinks, window)
+    if args.batch is not None or args.histories is not None:
+        return _run_batch_cli(args, ledger)
     input_lengths = args.input_lengths or list(PAPER_INPUT_LENGTHS)
     if args.continuation < 2 or args.period < 1:
         raise SystemExit("oda flops: need --continuation >= 2 (one routed step) and --period >= 1.")
@@ -604,4 +890,30 @@ def run_cli(args) -> int:
           f"Full on the first k of every {args.period} for k in {','.join(map(str, args.full_steps))}")
     print()
     print(format_flops_table(rows, args.table_format))
+    return 0
+
+
+def _run_batch_cli(args, ledger: CostLedger) -> int:
+    if args.histories is not None and (args.batch is not None or args.history is not None):
+        raise SystemExit("oda flops: give either --histories (one length per row) or --batch with --history.")
+    if args.batch is not None and args.history is None:
+        raise SystemExit("oda flops: --batch needs --history (the length every row has), or use --histories.")
+    lengths = args.histories if args.histories is not None else [args.history]
+    if min(lengths) < 1 or (args.batch is not None and min(args.batch) < 1):
+        raise SystemExit("oda flops: batch sizes and history lengths must be >= 1.")
+    if not all(0.0 <= rate <= 1.0 for rate in args.rate):
+        raise SystemExit(f"oda flops: --rate values are probabilities in [0, 1]; got {args.rate}.")
+    if args.pass_overhead_us < 0:
+        raise SystemExit("oda flops: --pass-overhead-us must be >= 0.")
+    model = BatchCostModel(ledger, args.hardware, pass_overhead_s=args.pass_overhead_us * 1e-6)
+    modes = BATCH_MODES if args.mode == "all" else (args.mode,)
+    rows = batch_table(model, args.batch or [], args.rate, lengths, modes)
+    print(ledger.shape.describe())
+    print(f"{model.hardware.name}: {model.hardware.peak_flops / 1e12:g} TFLOP/s, "
+          f"{model.hardware.bandwidth / 1e12:g} TB/s; BF16 weights and KV, FP32 head; "
+          f"Local range s + w = {ledger.sinks} + {ledger.window}; per-row recalls ~ Bernoulli(rate)")
+    print("whole = Full for the whole batch when any row recalls; rows = Full for the recalling rows only; "
+          "masked = all rows' projections, recalling rows' attention")
+    print()
+    print(format_batch_table(rows))
     return 0
