@@ -444,17 +444,78 @@ def test_evaluate_end_to_end(tmp_path):
         assert os.path.getsize(paths[key]) > 1000
 
 
-def test_resume_skips_finished_records(tmp_path):
+SHARED_PREFILL_POLICIES = [runner.full(), runner.streaming_llm(), runner.oda(0.0), runner.random_fixed(0.5, 7),
+                           runner.schedule(1, 3)]
+
+
+def _separate_and_shared(model, example, policies=SHARED_PREFILL_POLICIES):
+    """Records of separate generate() calls, and of continuations of one shared prefill."""
+    ids = list(example.input_ids)
+    separate = [runner.generate_record(model, None, example, spec, ids) for spec in policies]
+    prefill = runner.SharedPrefill(model, None, ids, example.max_new_tokens)
+    shared = [runner.generate_record(model, None, example, spec, ids, prefill=prefill, last=i == len(policies) - 1)
+              for i, spec in enumerate(policies)]
+    return separate, shared
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "qwen3_5"])
+def test_shared_prefill_equals_separate_generate_calls(family):
+    model = oda_model(family)
+    rng = np.random.default_rng(1)
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=9, metric="string_match_all",
+                                 input_ids=[int(i) for i in rng.integers(3, VOCAB, size=15)])
+    separate, shared = _separate_and_shared(model, example)
+    assert shared == separate  # output tokens, decisions, head scores: every field
+    by_policy = {r["policy"]: r for r in shared}
+    assert by_policy["full"]["output_ids"] != by_policy["streamingllm"]["output_ids"]  # the policies really differ
+    assert by_policy["full"]["routed_steps"] == example.max_new_tokens - 1 and by_policy["streamingllm"]["full_calls"] == 0
+    assert by_policy["schedule:1/3"]["decisions"] == [1, 0, 0, 1, 0, 0, 1, 0]
+
+
+def test_shared_prefill_stops_at_eos_like_generate():
+    model = oda_model()
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=6, metric="string_match_all",
+                                 input_ids=list(range(10, 24)))
+    full_ids = runner.generate_record(model, None, example, runner.full(), example.input_ids)["output_ids"]
+    for eos in (full_ids[0], full_ids[2]):  # EOS as the prefill's own token, and EOS during decoding
+        model.generation_config.eos_token_id = eos
+        separate, shared = _separate_and_shared(model, example)
+        assert shared == separate
+        assert shared[0]["output_ids"][-1] == eos and shared[0]["routed_steps"] == full_ids.index(eos)
+    one_token = suites.EvalExample(id="x/1", task="x", answers=["w5"], max_new_tokens=1, metric="string_match_all",
+                                   input_ids=list(range(10, 24)))
+    separate, shared = _separate_and_shared(model, one_token)
+    assert shared == separate and all(r["routed_steps"] == 0 for r in shared)
+
+
+def test_evaluate_shares_one_prefill_per_prompt(tmp_path, monkeypatch):
+    model, tokenizer = oda_model(), word_tokenizer()
+    examples = _suite(n_per_task=1)
+    policies = [runner.full(), runner.streaming_llm(), runner.oda(0.0), runner.random_matched(0.0, 42),
+                runner.random_matched(0.0, 43)]
+    separate = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "a.jsonl", progress=False,
+                               share_prefill=False)
+    made, takes = [], []
+    init, take = runner.SharedPrefill.__init__, runner.SharedPrefill.take
+    monkeypatch.setattr(runner.SharedPrefill, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    monkeypatch.setattr(runner.SharedPrefill, "take", lambda self, last=False: takes.append(last) or take(self, last))
+    shared = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "b.jsonl", progress=False)
+    assert shared == separate
+    # One prefill per prompt and pass (direct policies, then the matched Random ones), the original used last.
+    assert len(made) == 2 * len(examples) and sum(takes) == len(made) and len(takes) == len(examples) * len(policies)
+
+
+def test_resume_skips_finished_records(tmp_path, monkeypatch):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
     calls = []
-    original = model.generate
+    original = runner.generate_record
 
     def counting_generate(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    model.generate = counting_generate
+    monkeypatch.setattr(runner, "generate_record", counting_generate)
     path = tmp_path / "results.jsonl"
     first = runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
     assert len(calls) == len(examples) * len(policies)

@@ -3,7 +3,8 @@ diagnostics and routing-trajectory rendering (paper Section 3 and Appendix B).
 
 * `suites`: examples (generic JSONL, RULER, LongBench v1) with their official metrics (`metrics`);
 * `runner`: every policy (Full, StreamingLLM, ODA thresholds, matched Random, schedules) generates
-  greedily from its own Full prefill; resumable JSONL records;
+  greedily from the prompt's Full prefill (run once per prompt, shared by all policies); resumable
+  JSONL records;
 * `report`: per-task and aggregate scores, pooled and task-averaged Full-call rates, Markdown
   tables in the paper's layout, quality-vs-rate plots;
 * `trajectory`: HTML/PNG token renderings coloured by access;

@@ -46,6 +46,9 @@ def add_cli(subparsers) -> None:
                           help="the ODA threshold of the main table (default: 0 if run, else the first)")
     evaluate.add_argument("--trajectories", type=int, default=0,
                           help="render this many ODA trajectories per task (HTML + PNG) at the primary threshold")
+    evaluate.add_argument("--separate-prefills", action="store_true",
+                          help="prefill each prompt once per policy instead of once for all (same results, slower; "
+                               "holds the prompt's KV once instead of twice)")
     evaluate.add_argument("--out", required=True, help="output directory")
     evaluate.add_argument("--report-only", action="store_true",
                           help="no generation: rebuild report.md and plots from --out/results.jsonl")
@@ -178,7 +181,7 @@ def run_eval(args) -> int:
         examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
                                          max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
     records = runner.evaluate(model, tokenizer, examples, policies, results_path, chat_template=args.chat_template,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, share_prefill=not args.separate_prefills)
     paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
     if args.trajectories:
         primary = args.primary_threshold if args.primary_threshold is not None else \

@@ -1,8 +1,9 @@
-"""Generation evaluation: every policy decodes every example greedily from its own Full prefill.
+"""Generation evaluation: every policy decodes every example greedily from the prompt's Full prefill.
 
-Each (example, policy) pair is one `generate()` call with batch size one, so every policy follows
-its own generated trajectory and keeps its own selected history (the prefill is Full for every
-policy, so the same prompt gives the same prefill). One JSONL record is appended per pair; a rerun
+Each (example, policy) pair decodes with batch size one, so every policy follows its own generated
+trajectory and keeps its own selected history. The prefill is Full for every policy, so it runs
+once per prompt (`SharedPrefill`) and each policy continues from its own copy of that cache; the
+results equal one separate `generate()` call per pair. One JSONL record is appended per pair; a rerun
 skips the pairs already in the file (key: example id, policy name).
 
 The matched Random control (paper Appendix B.5) needs ODA's observed Full-call rate per task, so
@@ -244,19 +245,81 @@ def greedy_config(model, tokenizer, max_new_tokens: int):
     return config
 
 
+class SharedPrefill:
+    """One Full prefill of a prompt, reused by every policy of that prompt.
+
+    Every policy's prefill is Full, so it is the same computation for all of them: it runs once
+    (ODA's own prefill, through `generate()` for the first output token, so that token passes the
+    same logits processors), and each policy continues decoding from its own copy of the cache.
+    `take()` hands out copies; the last user may take the original. While a policy decodes, the
+    prompt's KV is held twice (the original and the policy's copy).
+    """
+
+    def __init__(self, model, tokenizer, input_ids: Sequence[int], max_new_tokens: int):
+        self.input_ids = list(input_ids)
+        self.max_new_tokens = max_new_tokens
+        # The capacity a plain generate() would allocate (max_length - 1), so buffers and results match it.
+        self._cache = model.new_cache(max_cache_len=len(self.input_ids) + max_new_tokens - 1)
+        saved = model.oda_config
+        try:
+            model.set_routing(policy="full")  # the prefill never routes; any policy would do
+            ids = torch.tensor([self.input_ids], dtype=torch.long, device=model.device)
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    generation_config=greedy_config(model, tokenizer, 1), past_key_values=self._cache)
+        finally:
+            model.oda_config = saved
+        self.first_token = int(output[0, -1])
+        self._hidden = self._cache.selected_hidden
+
+    def take(self, last: bool = False):
+        """(cache, selected hidden state) for one policy: a copy, or the original when `last`."""
+        if self._cache is None:
+            raise RuntimeError("This shared prefill was already handed out as the last one.")
+        cache = self._cache if last else copy.deepcopy(self._cache)
+        if last:
+            self._cache = None
+        return cache, self._hidden
+
+
+def _min_new_tokens(model, already: int) -> int | None:
+    """The model's `min_new_tokens` minus the `already` generated tokens (None when unset)."""
+    wanted = model.generation_config.min_new_tokens
+    return None if wanted is None else max(wanted - already, 0)
+
+
 @torch.no_grad()
 def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, input_ids: Sequence[int],
-                    p: float | None = None) -> dict:
-    """Run one greedy generation with `spec`'s routing and return its record."""
+                    p: float | None = None, prefill: SharedPrefill | None = None, last: bool = False) -> dict:
+    """Run one greedy generation with `spec`'s routing and return its record.
+
+    With `prefill` (of these `input_ids`), decoding continues from its Full prefill instead of
+    running its own; the outputs and routing are those of a separate `generate()` call.
+    `last`: this is the prefill's last user (it may consume the original cache).
+    """
     saved = model.oda_config
+    eos = eos_token_ids(model, tokenizer)
     try:
         model.set_routing(**spec.routing(p))
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)
         config = greedy_config(model, tokenizer, example.max_new_tokens)
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        if prefill is None:
+            ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            new_ids = output[0, ids.shape[1]:].tolist()
+        else:
+            if prefill.input_ids != list(input_ids) or prefill.max_new_tokens != example.max_new_tokens:
+                raise ValueError(f"example {example.id!r}: the shared prefill is of another prompt or output cap.")
+            cache, hidden = prefill.take(last)
+            model.begin_request(cache, hidden)  # routing starts after the prefill, as in generate()
+            new_ids = [prefill.first_token]
+            if prefill.first_token not in eos and example.max_new_tokens > 1:
+                ids = torch.tensor([list(input_ids) + new_ids], dtype=torch.long, device=model.device)
+                config.max_new_tokens = example.max_new_tokens - 1
+                config.min_new_tokens = _min_new_tokens(model, 1)
+                output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                        past_key_values=cache)
+                new_ids = output[0, len(input_ids):].tolist()
     finally:
         model.oda_config = saved
-    new_ids = output[0, ids.shape[1]:].tolist()
     routing = model.routing
     steps = int(routing.steps_per_row[0])
     decisions = routing.decisions[0, :steps].tolist()
@@ -269,7 +332,7 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
         "output": text, "output_ids": new_ids,
         "score": score_example(example.metric, text, example.answers),
         "decisions": [int(d) for d in decisions], "routed_steps": steps, "full_calls": int(sum(decisions)),
-        "hit_cap": hit_output_cap(new_ids, example.max_new_tokens, eos_token_ids(model, tokenizer)),
+        "hit_cap": hit_output_cap(new_ids, example.max_new_tokens, eos),
         "num_input_tokens": len(input_ids), "num_output_tokens": len(new_ids),
         "max_new_tokens": example.max_new_tokens,
     }
@@ -291,11 +354,14 @@ def task_rates(records: Iterable[dict]) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequence[PolicySpec],
-             output_path: str | os.PathLike, *, chat_template: bool = False, progress: bool = True) -> list[dict]:
+             output_path: str | os.PathLike, *, chat_template: bool = False, progress: bool = True,
+             share_prefill: bool = True) -> list[dict]:
     """Run every policy on every example (resumable) and return their records.
 
     Records already in `output_path` are reused, not regenerated. Matched Random policies run after
-    the ODA policy they match, with its per-task rates over these examples.
+    the ODA policy they match, with its per-task rates over these examples. `share_prefill`: one
+    Full prefill per prompt for all its policies (same results; ``False`` runs one prefill per
+    policy and holds the prompt's KV only once, for prompts whose KV fits in memory only once).
     """
     if not examples:
         raise ValueError("The suite is empty: nothing to evaluate.")
@@ -319,17 +385,24 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
                     "different settings must not mix. Write to a new output file.")
     direct = [s for s in policies if not (s.kind == "random" and s.matched)]
     matched = [s for s in policies if s.kind == "random" and s.matched]
-    encoded: dict[str, list[int]] = {}  # only the current example: long-context prompts are large
 
     def run(jobs, description):
         jobs = [(example, spec, p) for example, spec, p in jobs if (example.id, spec.name) not in results]
+        remaining: dict[str, int] = {}  # jobs left per example: the last one may consume the shared prefill
+        for example, _, _ in jobs:
+            remaining[example.id] = remaining.get(example.id, 0) + 1
+        current, input_ids, prefill = None, None, None  # only the current example: long prompts are large
         for example, spec, p in tqdm(jobs, desc=description, disable=not progress or not jobs):
-            if example.id not in encoded:
-                encoded.clear()
-                encoded[example.id] = encode_prompt(example, tokenizer, chat_template)
-            results.add(generate_record(model, tokenizer, example, spec, encoded[example.id], p))
+            if example.id != current:
+                current, prefill = example.id, None
+                input_ids = encode_prompt(example, tokenizer, chat_template)
+                if share_prefill and remaining[example.id] > 1:  # a single job just runs generate()
+                    prefill = SharedPrefill(model, tokenizer, input_ids, example.max_new_tokens)
+            remaining[example.id] -= 1
+            results.add(generate_record(model, tokenizer, example, spec, input_ids, p, prefill=prefill,
+                                        last=remaining[example.id] == 0))
 
-    # Example-major order, so a prompt is tokenized once for all policies.
+    # Example-major order, so a prompt is tokenized and prefilled once for all policies.
     run([(e, s, None) for e in examples for s in direct], "generate")
     if matched:
         rates = {}  # threshold -> task -> ODA's observed Full-call rate on that task
