@@ -529,6 +529,110 @@ def test_resume_skips_finished_records(tmp_path, monkeypatch):
     assert len(calls) == 1 and third == first
 
 
+def _first_run(tmp_path):
+    model, tokenizer = oda_model(), word_tokenizer()
+    examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
+    path = tmp_path / "results.jsonl"
+    records = runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    return model, tokenizer, examples, policies, path, records
+
+
+def test_records_and_manifest_carry_the_settings(tmp_path):
+    model, _, examples, _, path, records = _first_run(tmp_path)
+    manifest = json.loads((tmp_path / "results.manifest.json").read_text())
+    head = runner.head_fingerprint(model.recall_head)
+    assert manifest["settings"] == {"model": None, "dtype": "float32", "head_sha256": head, "sinks": 2, "window": 4,
+                                    "chat_template": False}
+    assert set(manifest["versions"]) == {"oda_hf", "transformers", "torch"}
+    for record in records:
+        settings = record["settings"]
+        assert {k: settings[k] for k in manifest["settings"]} == manifest["settings"]
+        assert settings["policy"] == record["policy"] and settings["max_new_tokens"] == 6
+        assert settings["threshold"] == (None if record["kind"] == "full" else 0.0)
+        assert settings["seed"] == (42 if record["kind"] == "random" else None)
+        assert settings["prompt_sha256"] == runner.prompt_fingerprint(
+            runner.encode_prompt(next(e for e in examples if e.id == record["id"]), word_tokenizer()))
+    on_disk = {(r["id"], r["policy"]): r["settings"] for r in map(json.loads, path.read_text().splitlines())}
+    assert on_disk == {(r["id"], r["policy"]): r["settings"] for r in records}
+
+
+def test_head_fingerprint_follows_the_weights(tmp_path):
+    head = oda_model().recall_head
+    head.save_pretrained(tmp_path / "head")
+    assert runner.head_fingerprint(RecallHead.from_pretrained(tmp_path / "head")) == runner.head_fingerprint(head)
+    with torch.no_grad():
+        next(iter(head.parameters())).view(-1)[0] += 1e-6
+    assert runner.head_fingerprint(head) != runner.head_fingerprint(RecallHead.from_pretrained(tmp_path / "head"))
+    assert runner.head_fingerprint(None) is None
+
+
+def _change_geometry(model, examples):
+    model.set_routing(sinks=3, window=5)
+
+
+def _change_head(model, examples):
+    with torch.no_grad():
+        next(iter(model.recall_head.parameters())).view(-1)[0] += 0.5
+
+
+def _change_cap(model, examples):
+    examples[0].max_new_tokens = 4
+
+
+def _change_prompt(model, examples):
+    examples[0].prompt = examples[0].prompt + " w9"
+
+
+@pytest.mark.parametrize("change, keys, manifest_catches", [
+    (_change_geometry, ["sinks: 2 there, 3 now", "window: 4 there, 5 now"], True),
+    (_change_head, ["head_sha256"], True),
+    (_change_cap, ["max_new_tokens: 6 there, 4 now"], False),
+    (_change_prompt, ["prompt_sha256"], False),
+])
+def test_rerun_with_other_settings_is_refused(tmp_path, change, keys, manifest_catches):
+    model, tokenizer, examples, policies, path, _ = _first_run(tmp_path)
+    before = path.read_text()
+    change(model, examples)
+    with pytest.raises(ValueError) as manifest_error:
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    # Without the manifest, every reused record still catches it (its own settings).
+    (tmp_path / "results.manifest.json").unlink()
+    with pytest.raises(ValueError) as record_error:
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    for error in (manifest_error, record_error):
+        message = str(error.value)
+        assert all(key in message for key in keys) and "new output folder" in message
+    assert ("manifest" in str(manifest_error.value)) == manifest_catches
+    assert path.read_text() == before and not (tmp_path / "results.manifest.json").exists()  # nothing written
+
+
+def test_records_without_settings_are_not_reused(tmp_path):
+    model, tokenizer, examples, policies, path, records = _first_run(tmp_path)
+    (tmp_path / "results.manifest.json").unlink()
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in records))
+    with pytest.raises(ValueError, match="without its settings"):
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+
+
+def test_results_file_repairs_an_interrupted_last_line(tmp_path, caplog):
+    path = tmp_path / "r.jsonl"
+    a, b = json.dumps({"id": "a", "policy": "full"}), json.dumps({"id": "b", "policy": "full"})
+    path.write_text(a + "\n" + b[:7])
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        results = runner.ResultsFile(path)
+    assert path.read_text() == a + "\n" and list(results.records) == [("a", "full")]
+    assert "removed an incomplete last line" in caplog.text
+    results.add({"id": "b", "policy": "full"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
+    path.write_text(a + "\n" + b)  # complete record, line end not written: the line end is added
+    assert len(runner.ResultsFile(path).records) == 2 and path.read_text() == a + "\n" + b + "\n"
+    path.write_text(a + "\n" + b[:7])
+    assert len(runner.ResultsFile(path, repair=False).records) == 1 and path.read_text() == a + "\n" + b[:7]
+    path.write_text(a + "\n" + b[:7] + "\n" + b + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:2: unreadable record in the middle"):
+        runner.ResultsFile(path)
+
+
 def test_evaluation_input_errors(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     with pytest.raises(ValueError, match="add that ODA policy"):
@@ -599,6 +703,7 @@ def test_cli_eval_and_diagnose(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4 and all(r["max_new_tokens"] == 5 for r in records)
     assert {r["policy"] for r in records} == {"full", "streamingllm", "oda@0", "random~oda@0/seed42"}
+    assert json.loads((out / "manifest.json").read_text())["settings"]["model"] == str(tmp_path / "base")
     for name in ("report.md", "quality_vs_rate.png", "per_task.png", "trajectories/niah_single_1_0.html"):
         assert (out / name).exists()
     args = parser.parse_args(["eval", "--out", str(out), "--report-only", "--no-plots"])
