@@ -216,7 +216,7 @@ def _head_state(model):
 def test_two_process_data_parallel_equals_one_process(tmp_path):
     import ddp_head_worker
 
-    out = tmp_path / "ddp.pt"
+    out = tmp_path / "ddp.safetensors"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -226,7 +226,10 @@ def test_two_process_data_parallel_equals_one_process(tmp_path):
          "--master-port", str(port), ddp_head_worker.__file__, str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = torch.load(out)
+    ddp = {}
+    for key, tensor in safetensors.torch.load_file(out).items():
+        reduction, name = key.split("/", 1)
+        ddp.setdefault(reduction, {})[name] = tensor
     for reduction in ("micro", "step"):
         single = ddp_head_worker.one_update(reduction, 2, str(tmp_path / reduction))
         for name, value in single.items():
