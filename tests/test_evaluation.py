@@ -612,6 +612,9 @@ def test_records_without_settings_are_not_reused(tmp_path):
     path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in records))
     with pytest.raises(ValueError, match="without its settings"):
         runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    adopted = runner.evaluate(model, tokenizer, examples, policies, path, progress=False, adopt_unlabeled=True)
+    assert adopted == [{k: v for k, v in r.items() if k != "settings"} for r in records]  # reused, not redone
+    assert json.loads((tmp_path / "results.manifest.json").read_text())["settings"]["sinks"] == 2
 
 
 def test_results_file_repairs_an_interrupted_last_line(tmp_path, caplog):
@@ -704,6 +707,11 @@ def test_cli_eval_and_diagnose(tmp_path):
     assert len(records) == 2 * 4 and all(r["max_new_tokens"] == 5 for r in records)
     assert {r["policy"] for r in records} == {"full", "streamingllm", "oda@0", "random~oda@0/seed42"}
     assert json.loads((out / "manifest.json").read_text())["settings"]["model"] == str(tmp_path / "base")
+    rerun = [a if a != "4" else "5" for a in ["eval", *common, "--data", str(suite), "--policies", "full", "--out",
+                                             str(out), "--no-progress"]]
+    args = parser.parse_args(rerun)  # --window 5 into the same --out
+    with pytest.raises(ValueError, match="window: 4 there, 5 now"):
+        args.func(args)
     for name in ("report.md", "quality_vs_rate.png", "per_task.png", "trajectories/niah_single_1_0.html"):
         assert (out / name).exists()
     args = parser.parse_args(["eval", "--out", str(out), "--report-only", "--no-plots"])

@@ -51,6 +51,9 @@ def add_cli(subparsers) -> None:
     evaluate.add_argument("--separate-prefills", action="store_true",
                           help="prefill each prompt once per policy instead of once for all (same results, slower; "
                                "holds the prompt's KV once instead of twice)")
+    evaluate.add_argument("--adopt-unlabeled-records", action="store_true",
+                          help="reuse records of an older oda_hf that carry no settings, trusting that they were made "
+                               "with this run's settings (otherwise such records are an error)")
     evaluate.add_argument("--out", required=True, help="output directory")
     evaluate.add_argument("--report-only", action="store_true",
                           help="no generation: rebuild report.md and plots from --out/results.jsonl")
@@ -184,7 +187,8 @@ def run_eval(args) -> int:
                                          max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
     records = runner.evaluate(model, tokenizer, examples, policies, results_path, chat_template=args.chat_template,
                               progress=not args.no_progress, share_prefill=not args.separate_prefills,
-                              manifest_path=os.path.join(out, MANIFEST_FILE))
+                              manifest_path=os.path.join(out, MANIFEST_FILE),
+                              adopt_unlabeled=args.adopt_unlabeled_records)
     paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
     if args.trajectories:
         primary = args.primary_threshold if args.primary_threshold is not None else \

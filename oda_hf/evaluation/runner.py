@@ -293,8 +293,12 @@ def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
 
 
 def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalExample],
-                  policies: Sequence[PolicySpec], tokenizer, chat_template: bool) -> None:
-    """Every record this run would reuse must have been made with this run's settings (error naming the keys)."""
+                  policies: Sequence[PolicySpec], tokenizer, chat_template: bool, adopt_unlabeled: bool = False) -> None:
+    """Every record this run would reuse must have been made with this run's settings (error naming the keys).
+
+    `adopt_unlabeled`: records without settings (older oda_hf) are trusted to have this run's settings.
+    """
+    adopted = 0
     for example in examples:
         done = [(spec, results.records[(example.id, spec.name)]) for spec in policies
                 if (example.id, spec.name) in results]
@@ -304,14 +308,21 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
         for spec, record in done:
             where = f"{results.path} already holds ({example.id}, {spec.name})"
             if "settings" not in record:
+                if adopt_unlabeled:
+                    adopted += 1
+                    continue
                 raise ValueError(f"{where} without its settings (written by an older oda_hf), so it cannot be "
-                                 "reused safely. Write to a new output folder (--out).")
+                                 "reused safely. Write to a new output folder (--out), or, if you know it was made "
+                                 "with this run's settings, pass adopt_unlabeled=True (--adopt-unlabeled-records).")
             expected = record_settings(settings, spec, example, input_ids)
             differences = _differences(record["settings"], expected, [k for k in expected if k != "p"])
             if differences:
                 raise ValueError(f"{where} generated with other settings: " + "; ".join(differences)
                                  + ". Records of different settings must not mix: write to a new output folder "
                                  "(--out).")
+    if adopted:
+        logger.warning(f"{results.path}: reusing {adopted} records without settings as made with this run's settings "
+                       "(adopt_unlabeled).")
 
 
 # -- one generation ---------------------------------------------------------------------------------
@@ -393,7 +404,6 @@ class SharedPrefill:
         finally:
             model.oda_config = saved
         self.first_token = int(output[0, -1])
-        self._hidden = self._cache.selected_hidden
 
     def take(self, last: bool = False):
         """(cache, selected hidden state) for one policy: a copy, or the original when `last`."""
@@ -402,7 +412,7 @@ class SharedPrefill:
         cache = self._cache if last else copy.deepcopy(self._cache)
         if last:
             self._cache = None
-        return cache, self._hidden
+        return cache, cache.selected_hidden
 
 
 def _min_new_tokens(model, already: int) -> int | None:
@@ -483,7 +493,8 @@ def task_rates(records: Iterable[dict]) -> dict[str, float]:
 
 def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequence[PolicySpec],
              output_path: str | os.PathLike, *, chat_template: bool = False, progress: bool = True,
-             share_prefill: bool = True, manifest_path: str | os.PathLike | None = None) -> list[dict]:
+             share_prefill: bool = True, manifest_path: str | os.PathLike | None = None,
+             adopt_unlabeled: bool = False) -> list[dict]:
     """Run every policy on every example (resumable) and return their records.
 
     Records already in `output_path` are reused, not regenerated. Matched Random policies run after
@@ -494,7 +505,8 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     Every record carries the settings it was made with (`record_settings`), and the run's settings
     go to a manifest (default: `output_path` with the suffix ``.manifest.json``). A rerun whose
     settings differ from the manifest's or from a record it would reuse is an error naming the
-    differing keys.
+    differing keys. `adopt_unlabeled`: reuse records of older versions that carry no settings,
+    trusting that they were made with this run's settings.
     """
     if not examples:
         raise ValueError("The suite is empty: nothing to evaluate.")
@@ -512,7 +524,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
         manifest_path = os.path.splitext(os.fspath(output_path))[0] + ".manifest.json"
     check_manifest(manifest_path, settings, output_path)
     results = ResultsFile(output_path)
-    check_records(results, settings, examples, policies, tokenizer, chat_template)
+    check_records(results, settings, examples, policies, tokenizer, chat_template, adopt_unlabeled)
     if not os.path.exists(manifest_path):
         write_manifest(manifest_path, settings, output_path)
     direct = [s for s in policies if not (s.kind == "random" and s.matched)]
