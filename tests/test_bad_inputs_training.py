@@ -162,6 +162,11 @@ API_ROWS = [
                                                       report_to="none"),
         train_dataset=PackedDataset([{"input_ids": list(range(1, 15))}])).train(resume_from_checkpoint=True),
      ValueError, "no complete checkpoint in"),
+    ("resume from an incomplete checkpoint", lambda tmp: OdaTrainer(
+        model=_oda_model(), args=OdaTrainingArguments(output_dir=str(tmp), max_steps=1, use_cpu=True, report_to="none"),
+        train_dataset=PackedDataset([{"input_ids": list(range(1, 15))}])).train(
+            resume_from_checkpoint=str((tmp / "checkpoint-1").mkdir() or tmp / "checkpoint-1")),
+     ValueError, "checkpoint-1 is not a complete checkpoint"),
 ]
 
 

@@ -27,13 +27,16 @@ from .runner import (
     PAPER_THRESHOLDS,
     PolicySpec,
     ResultsFile,
+    SharedPrefill,
     evaluate,
     full,
+    head_fingerprint,
     oda,
     paper_policies,
     random_fixed,
     random_matched,
     schedule,
+    run_settings,
     streaming_llm,
 )
 from .suites import EvalExample, examples_from_organism, load_examples, load_longbench, load_ruler, write_examples
@@ -41,6 +44,7 @@ from .trajectory import render_html, render_png, render_record, token_strings
 
 __all__ = [
     "EvalExample", "METRICS", "PAPER_SEEDS", "PAPER_THRESHOLDS", "PolicySpec", "ReferencePositions", "ResultsFile",
+    "SharedPrefill", "head_fingerprint", "run_settings",
     "analyze", "collect_reference_gains", "default_metric", "evaluate", "examples_from_organism", "full", "load_examples", "load_longbench",
     "load_reference_sequences", "load_ruler", "markdown_report", "oda", "paper_policies", "random_fixed",
     "random_matched", "reference_gains", "render_html", "render_png", "render_record", "schedule", "score_example",

@@ -324,6 +324,10 @@ class OdaTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}.")
         if resume_from_checkpoint:
+            if not is_complete_checkpoint(resume_from_checkpoint):
+                raise ValueError(f"{resume_from_checkpoint} is not a complete checkpoint (no {SAFE_WEIGHTS_NAME} or no "
+                                 f"readable {TRAINER_STATE_NAME}; an interrupted write?). Pass "
+                                 "resume_from_checkpoint=True to take the newest complete one.")
             self._check_resume_settings(resume_from_checkpoint)
         self._check_supervision()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
