@@ -12,6 +12,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig  # noqa: E402
@@ -50,4 +51,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         results = {reduction: one_update(reduction, 1, tmp) for reduction in ("micro", "step")}
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(results, sys.argv[1])
+        safetensors.torch.save_file({f"{reduction}/{name}": tensor for reduction, state in results.items()
+                                     for name, tensor in state.items()}, sys.argv[1])

@@ -444,17 +444,78 @@ def test_evaluate_end_to_end(tmp_path):
         assert os.path.getsize(paths[key]) > 1000
 
 
-def test_resume_skips_finished_records(tmp_path):
+SHARED_PREFILL_POLICIES = [runner.full(), runner.streaming_llm(), runner.oda(0.0), runner.random_fixed(0.5, 7),
+                           runner.schedule(1, 3)]
+
+
+def _separate_and_shared(model, example, policies=SHARED_PREFILL_POLICIES):
+    """Records of separate generate() calls, and of continuations of one shared prefill."""
+    ids = list(example.input_ids)
+    separate = [runner.generate_record(model, None, example, spec, ids) for spec in policies]
+    prefill = runner.SharedPrefill(model, None, ids, example.max_new_tokens)
+    shared = [runner.generate_record(model, None, example, spec, ids, prefill=prefill, last=i == len(policies) - 1)
+              for i, spec in enumerate(policies)]
+    return separate, shared
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "qwen3_5"])
+def test_shared_prefill_equals_separate_generate_calls(family):
+    model = oda_model(family)
+    rng = np.random.default_rng(1)
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=9, metric="string_match_all",
+                                 input_ids=[int(i) for i in rng.integers(3, VOCAB, size=15)])
+    separate, shared = _separate_and_shared(model, example)
+    assert shared == separate  # output tokens, decisions, head scores: every field
+    by_policy = {r["policy"]: r for r in shared}
+    assert by_policy["full"]["output_ids"] != by_policy["streamingllm"]["output_ids"]  # the policies really differ
+    assert by_policy["full"]["routed_steps"] == example.max_new_tokens - 1 and by_policy["streamingllm"]["full_calls"] == 0
+    assert by_policy["schedule:1/3"]["decisions"] == [1, 0, 0, 1, 0, 0, 1, 0]
+
+
+def test_shared_prefill_stops_at_eos_like_generate():
+    model = oda_model()
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=6, metric="string_match_all",
+                                 input_ids=list(range(10, 24)))
+    full_ids = runner.generate_record(model, None, example, runner.full(), example.input_ids)["output_ids"]
+    for eos in (full_ids[0], full_ids[2]):  # EOS as the prefill's own token, and EOS during decoding
+        model.generation_config.eos_token_id = eos
+        separate, shared = _separate_and_shared(model, example)
+        assert shared == separate
+        assert shared[0]["output_ids"][-1] == eos and shared[0]["routed_steps"] == full_ids.index(eos)
+    one_token = suites.EvalExample(id="x/1", task="x", answers=["w5"], max_new_tokens=1, metric="string_match_all",
+                                   input_ids=list(range(10, 24)))
+    separate, shared = _separate_and_shared(model, one_token)
+    assert shared == separate and all(r["routed_steps"] == 0 for r in shared)
+
+
+def test_evaluate_shares_one_prefill_per_prompt(tmp_path, monkeypatch):
+    model, tokenizer = oda_model(), word_tokenizer()
+    examples = _suite(n_per_task=1)
+    policies = [runner.full(), runner.streaming_llm(), runner.oda(0.0), runner.random_matched(0.0, 42),
+                runner.random_matched(0.0, 43)]
+    separate = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "a.jsonl", progress=False,
+                               share_prefill=False)
+    made, takes = [], []
+    init, take = runner.SharedPrefill.__init__, runner.SharedPrefill.take
+    monkeypatch.setattr(runner.SharedPrefill, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    monkeypatch.setattr(runner.SharedPrefill, "take", lambda self, last=False: takes.append(last) or take(self, last))
+    shared = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "b.jsonl", progress=False)
+    assert shared == separate
+    # One prefill per prompt and pass (direct policies, then the matched Random ones), the original used last.
+    assert len(made) == 2 * len(examples) and sum(takes) == len(made) and len(takes) == len(examples) * len(policies)
+
+
+def test_resume_skips_finished_records(tmp_path, monkeypatch):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
     calls = []
-    original = model.generate
+    original = runner.generate_record
 
     def counting_generate(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    model.generate = counting_generate
+    monkeypatch.setattr(runner, "generate_record", counting_generate)
     path = tmp_path / "results.jsonl"
     first = runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
     assert len(calls) == len(examples) * len(policies)
@@ -466,6 +527,113 @@ def test_resume_skips_finished_records(tmp_path):
     path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
     third = runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
     assert len(calls) == 1 and third == first
+
+
+def _first_run(tmp_path):
+    model, tokenizer = oda_model(), word_tokenizer()
+    examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
+    path = tmp_path / "results.jsonl"
+    records = runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    return model, tokenizer, examples, policies, path, records
+
+
+def test_records_and_manifest_carry_the_settings(tmp_path):
+    model, _, examples, _, path, records = _first_run(tmp_path)
+    manifest = json.loads((tmp_path / "results.manifest.json").read_text())
+    head = runner.head_fingerprint(model.recall_head)
+    assert manifest["settings"] == {"model": None, "dtype": "float32", "head_sha256": head, "sinks": 2, "window": 4,
+                                    "chat_template": False}
+    assert set(manifest["versions"]) == {"oda_hf", "transformers", "torch"}
+    for record in records:
+        settings = record["settings"]
+        assert {k: settings[k] for k in manifest["settings"]} == manifest["settings"]
+        assert settings["policy"] == record["policy"] and settings["max_new_tokens"] == 6
+        assert settings["threshold"] == (None if record["kind"] == "full" else 0.0)
+        assert settings["seed"] == (42 if record["kind"] == "random" else None)
+        assert settings["prompt_sha256"] == runner.prompt_fingerprint(
+            runner.encode_prompt(next(e for e in examples if e.id == record["id"]), word_tokenizer()))
+    on_disk = {(r["id"], r["policy"]): r["settings"] for r in map(json.loads, path.read_text().splitlines())}
+    assert on_disk == {(r["id"], r["policy"]): r["settings"] for r in records}
+
+
+def test_head_fingerprint_follows_the_weights(tmp_path):
+    head = oda_model().recall_head
+    head.save_pretrained(tmp_path / "head")
+    assert runner.head_fingerprint(RecallHead.from_pretrained(tmp_path / "head")) == runner.head_fingerprint(head)
+    with torch.no_grad():
+        next(iter(head.parameters())).view(-1)[0] += 1e-6
+    assert runner.head_fingerprint(head) != runner.head_fingerprint(RecallHead.from_pretrained(tmp_path / "head"))
+    assert runner.head_fingerprint(None) is None
+
+
+def _change_geometry(model, examples):
+    model.set_routing(sinks=3, window=5)
+
+
+def _change_head(model, examples):
+    with torch.no_grad():
+        next(iter(model.recall_head.parameters())).view(-1)[0] += 0.5
+
+
+def _change_cap(model, examples):
+    examples[0].max_new_tokens = 4
+
+
+def _change_prompt(model, examples):
+    examples[0].prompt = examples[0].prompt + " w9"
+
+
+@pytest.mark.parametrize("change, keys, manifest_catches", [
+    (_change_geometry, ["sinks: 2 there, 3 now", "window: 4 there, 5 now"], True),
+    (_change_head, ["head_sha256"], True),
+    (_change_cap, ["max_new_tokens: 6 there, 4 now"], False),
+    (_change_prompt, ["prompt_sha256"], False),
+])
+def test_rerun_with_other_settings_is_refused(tmp_path, change, keys, manifest_catches):
+    model, tokenizer, examples, policies, path, _ = _first_run(tmp_path)
+    before = path.read_text()
+    change(model, examples)
+    with pytest.raises(ValueError) as manifest_error:
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    # Without the manifest, every reused record still catches it (its own settings).
+    (tmp_path / "results.manifest.json").unlink()
+    with pytest.raises(ValueError) as record_error:
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    for error in (manifest_error, record_error):
+        message = str(error.value)
+        assert all(key in message for key in keys) and "new output folder" in message
+    assert ("manifest" in str(manifest_error.value)) == manifest_catches
+    assert path.read_text() == before and not (tmp_path / "results.manifest.json").exists()  # nothing written
+
+
+def test_records_without_settings_are_not_reused(tmp_path):
+    model, tokenizer, examples, policies, path, records = _first_run(tmp_path)
+    (tmp_path / "results.manifest.json").unlink()
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in records))
+    with pytest.raises(ValueError, match="without its settings"):
+        runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
+    adopted = runner.evaluate(model, tokenizer, examples, policies, path, progress=False, adopt_unlabeled=True)
+    assert adopted == [{k: v for k, v in r.items() if k != "settings"} for r in records]  # reused, not redone
+    assert json.loads((tmp_path / "results.manifest.json").read_text())["settings"]["sinks"] == 2
+
+
+def test_results_file_repairs_an_interrupted_last_line(tmp_path, caplog):
+    path = tmp_path / "r.jsonl"
+    a, b = json.dumps({"id": "a", "policy": "full"}), json.dumps({"id": "b", "policy": "full"})
+    path.write_text(a + "\n" + b[:7])
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        results = runner.ResultsFile(path)
+    assert path.read_text() == a + "\n" and list(results.records) == [("a", "full")]
+    assert "removed an incomplete last line" in caplog.text
+    results.add({"id": "b", "policy": "full"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
+    path.write_text(a + "\n" + b)  # complete record, line end not written: the line end is added
+    assert len(runner.ResultsFile(path).records) == 2 and path.read_text() == a + "\n" + b + "\n"
+    path.write_text(a + "\n" + b[:7])
+    assert len(runner.ResultsFile(path, repair=False).records) == 1 and path.read_text() == a + "\n" + b[:7]
+    path.write_text(a + "\n" + b[:7] + "\n" + b + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:2: unreadable record in the middle"):
+        runner.ResultsFile(path)
 
 
 def test_evaluation_input_errors(tmp_path):
@@ -538,6 +706,12 @@ def test_cli_eval_and_diagnose(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4 and all(r["max_new_tokens"] == 5 for r in records)
     assert {r["policy"] for r in records} == {"full", "streamingllm", "oda@0", "random~oda@0/seed42"}
+    assert json.loads((out / "manifest.json").read_text())["settings"]["model"] == str(tmp_path / "base")
+    rerun = [a if a != "4" else "5" for a in ["eval", *common, "--data", str(suite), "--policies", "full", "--out",
+                                             str(out), "--no-progress"]]
+    args = parser.parse_args(rerun)  # --window 5 into the same --out
+    with pytest.raises(ValueError, match="window: 4 there, 5 now"):
+        args.func(args)
     for name in ("report.md", "quality_vs_rate.png", "per_task.png", "trajectories/niah_single_1_0.html"):
         assert (out / name).exists()
     args = parser.parse_args(["eval", "--out", str(out), "--report-only", "--no-plots"])

@@ -281,20 +281,52 @@ def test_local_mask_matches_definition():
 def test_train_resume_is_exact_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oda_hf.organism.train_backbone import CHECKPOINT_NAME, ORGANISM_FILE, train
+    from oda_hf.organism.train_backbone import CHECKPOINT_NAME, ORGANISM_FILE, load_checkpoint, train
 
     straight, paused = tmp_path / "straight", tmp_path / "paused"
     train(str(straight), _tiny_cfg(), progress=False)
     train(str(paused), _tiny_cfg(), progress=False, stop_at=2)
     assert os.path.exists(paused / CHECKPOINT_NAME) and not os.path.exists(paused / ORGANISM_FILE)
     train(str(paused), _tiny_cfg(), resume=True, progress=False)
-    a = torch.load(straight / CHECKPOINT_NAME, weights_only=False)
-    b = torch.load(paused / CHECKPOINT_NAME, weights_only=False)
+    (a, a_tensors), (b, b_tensors) = load_checkpoint(str(straight / CHECKPOINT_NAME)), \
+        load_checkpoint(str(paused / CHECKPOINT_NAME))
     assert a["step"] == b["step"] == 4 and a["train_digest"] == b["train_digest"]
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["python_rng"] == b["python_rng"] and a["scheduler"] == b["scheduler"]
+    assert set(a_tensors) == set(b_tensors) and any(k.startswith("optimizer/") for k in a_tensors)
+    for k in a_tensors:  # model, optimizer moments and the torch RNG state
+        assert torch.equal(a_tensors[k], b_tensors[k]), k
     model = AutoModelForCausalLM.from_pretrained(str(paused))
     tok = AutoTokenizer.from_pretrained(str(paused))
     assert model.config.vocab_size == len(tok) and os.path.exists(paused / "generation_config.json")
     with pytest.raises(ValueError):
         train(str(paused), _tiny_cfg(lr=1e-4), resume=True, progress=False)
+
+
+class _Payload:
+    """Unpickling this runs code (creates a file): a planted checkpoint must never be unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_never_unpickles_a_planted_checkpoint(tmp_path):
+    import pickle
+
+    from oda_hf.organism.train_backbone import LEGACY_CHECKPOINT_NAME, train
+
+    out, marker = tmp_path / "run", tmp_path / "payload-ran"
+    out.mkdir()
+    (out / LEGACY_CHECKPOINT_NAME).write_bytes(pickle.dumps({"model": _Payload(str(marker))}))
+    with pytest.raises(ValueError, match="pickle checkpoint of an older oda_hf. It is not loaded"):
+        train(str(out), _tiny_cfg(), resume=True, progress=False)
+    assert not marker.exists()
+    # A pickle under the new checkpoint name is not a safetensors file: refused, not executed.
+    from oda_hf.organism.train_backbone import CHECKPOINT_NAME
+
+    (out / CHECKPOINT_NAME).write_bytes(pickle.dumps({"model": _Payload(str(marker))}))
+    with pytest.raises(ValueError, match="is not a readable safetensors checkpoint"):
+        train(str(out), _tiny_cfg(), resume=True, progress=False)
+    assert not marker.exists()

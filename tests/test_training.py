@@ -216,7 +216,7 @@ def _head_state(model):
 def test_two_process_data_parallel_equals_one_process(tmp_path):
     import ddp_head_worker
 
-    out = tmp_path / "ddp.pt"
+    out = tmp_path / "ddp.safetensors"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -226,7 +226,10 @@ def test_two_process_data_parallel_equals_one_process(tmp_path):
          "--master-port", str(port), ddp_head_worker.__file__, str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = torch.load(out)
+    ddp = {}
+    for key, tensor in safetensors.torch.load_file(out).items():
+        reduction, name = key.split("/", 1)
+        ddp.setdefault(reduction, {})[name] = tensor
     for reduction in ("micro", "step"):
         single = ddp_head_worker.one_update(reduction, 2, str(tmp_path / reduction))
         for name, value in single.items():
@@ -262,6 +265,47 @@ def test_backbone_frozen_checkpoints_head_only_and_resume(tmp_path):
     after = _head_state(resumed)
     for k in final:
         torch.testing.assert_close(after[k], final[k], atol=1e-6, rtol=1e-6)
+
+
+def test_checkpoint_killed_mid_write_resumes_from_the_last_complete_one(tmp_path, caplog):
+    rows = PackedDataset(_rows([14, 12, 13, 15]))
+    args = dict(max_steps=4, save_strategy="steps", save_steps=1, learning_rate=1e-2, save_total_limit=2)
+    straight = oda_model("qwen3", head=True)
+    OdaTrainer(model=straight, args=_args(tmp_path / "straight", **args), train_dataset=rows).train()
+    assert sorted(p.name for p in (tmp_path / "straight").iterdir() if "checkpoint" in p.name) == \
+        ["checkpoint-3", "checkpoint-4"]                                   # rotation still applies
+
+    run = tmp_path / "run"
+    killed = OdaTrainer(model=oda_model("qwen3", head=True), args=_args(run, **args), train_dataset=rows)
+    save_rng_state = killed._save_rng_state
+
+    def killed_at_step_3(output_dir):  # the head and optimizer are written, the rest is not
+        if killed.state.global_step == 3:
+            raise KeyboardInterrupt("killed while writing checkpoint-3")
+        save_rng_state(output_dir)
+
+    killed._save_rng_state = killed_at_step_3
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    assert (run / "tmp-checkpoint-3" / "checkpoint-3" / "model.safetensors").exists()  # the partial write
+    assert not (run / "checkpoint-3").exists()
+    # A partial checkpoint-N left by a non-atomic writer is skipped too.
+    (run / "checkpoint-9").mkdir()
+    (run / "checkpoint-9" / "config.json").write_text("{}")
+    (run / "checkpoint-2" / "trainer_state.json").write_text('{"global_st')  # cut mid-write: incomplete
+    resumed = oda_model("qwen3", head=True)
+    trainer = OdaTrainer(model=resumed, args=_args(run, **args), train_dataset=rows)
+    with caplog.at_level("WARNING"):
+        trainer.train(resume_from_checkpoint=True)
+    assert "checkpoint-9: incomplete checkpoint" in caplog.text and "checkpoint-2: incomplete" in caplog.text
+    assert "tmp-checkpoint-3: a checkpoint whose writing was interrupted" in caplog.text
+    assert not (run / "tmp-checkpoint-3").exists()
+    assert trainer.state.global_step == 4
+    after, final = _head_state(resumed), _head_state(straight)
+    for k in final:                                                       # resumed from checkpoint-1: same result
+        torch.testing.assert_close(after[k], final[k], atol=1e-6, rtol=1e-6)
+    assert json.loads((run / "checkpoint-4" / "training_args.json").read_text())["oda_sinks"] is None
+    assert not list(run.rglob("*.bin"))                                   # no pickled training arguments
 
 
 def test_empty_update_is_skipped_and_empty_dataset_rejected(tmp_path):

@@ -3,7 +3,8 @@ diagnostics and routing-trajectory rendering (paper Section 3 and Appendix B).
 
 * `suites`: examples (generic JSONL, RULER, LongBench v1) with their official metrics (`metrics`);
 * `runner`: every policy (Full, StreamingLLM, ODA thresholds, matched Random, schedules) generates
-  greedily from its own Full prefill; resumable JSONL records;
+  greedily from the prompt's Full prefill (run once per prompt, shared by all policies); resumable
+  JSONL records;
 * `report`: per-task and aggregate scores, pooled and task-averaged Full-call rates, Markdown
   tables in the paper's layout, quality-vs-rate plots;
 * `trajectory`: HTML/PNG token renderings coloured by access;
@@ -26,13 +27,16 @@ from .runner import (
     PAPER_THRESHOLDS,
     PolicySpec,
     ResultsFile,
+    SharedPrefill,
     evaluate,
     full,
+    head_fingerprint,
     oda,
     paper_policies,
     random_fixed,
     random_matched,
     schedule,
+    run_settings,
     streaming_llm,
 )
 from .suites import EvalExample, examples_from_organism, load_examples, load_longbench, load_ruler, write_examples
@@ -40,6 +44,7 @@ from .trajectory import render_html, render_png, render_record, token_strings
 
 __all__ = [
     "EvalExample", "METRICS", "PAPER_SEEDS", "PAPER_THRESHOLDS", "PolicySpec", "ReferencePositions", "ResultsFile",
+    "SharedPrefill", "head_fingerprint", "run_settings",
     "analyze", "collect_reference_gains", "default_metric", "evaluate", "examples_from_organism", "full", "load_examples", "load_longbench",
     "load_reference_sequences", "load_ruler", "markdown_report", "oda", "paper_policies", "random_fixed",
     "random_matched", "reference_gains", "render_html", "render_png", "render_record", "schedule", "score_example",

@@ -12,6 +12,7 @@ import os
 import sys
 
 RESULTS_FILE = "results.jsonl"
+MANIFEST_FILE = "manifest.json"
 POSITIONS_FILE = "positions.jsonl"
 
 
@@ -20,7 +21,8 @@ def add_cli(subparsers) -> None:
     evaluate = subparsers.add_parser(
         "eval", help="generation quality against Full-call rate (Full, StreamingLLM, ODA, Random, schedules)",
         description="Greedy generation of every policy on a task suite; writes results.jsonl (resumable), "
-                    "report.md and plots into --out.")
+                    "manifest.json (the settings of the run), report.md and plots into --out. A rerun into the same "
+                    "--out reuses finished records only if they were made with the same settings.")
     _model_arguments(evaluate, required=False)
     evaluate.add_argument("--suite", choices=("jsonl", "ruler", "longbench"), default="jsonl",
                           help="jsonl: {id, task, prompt, answers, max_new_tokens} records; ruler: RULER's generated "
@@ -46,6 +48,12 @@ def add_cli(subparsers) -> None:
                           help="the ODA threshold of the main table (default: 0 if run, else the first)")
     evaluate.add_argument("--trajectories", type=int, default=0,
                           help="render this many ODA trajectories per task (HTML + PNG) at the primary threshold")
+    evaluate.add_argument("--separate-prefills", action="store_true",
+                          help="prefill each prompt once per policy instead of once for all (same results, slower; "
+                               "holds the prompt's KV once instead of twice)")
+    evaluate.add_argument("--adopt-unlabeled-records", action="store_true",
+                          help="reuse records of an older oda_hf that carry no settings, trusting that they were made "
+                               "with this run's settings (otherwise such records are an error)")
     evaluate.add_argument("--out", required=True, help="output directory")
     evaluate.add_argument("--report-only", action="store_true",
                           help="no generation: rebuild report.md and plots from --out/results.jsonl")
@@ -152,7 +160,7 @@ def run_eval(args) -> int:
     if args.report_only:
         if not os.path.exists(results_path):
             raise SystemExit(f"--report-only: {results_path} does not exist.")
-        records = list(runner.ResultsFile(results_path).records.values())
+        records = list(runner.ResultsFile(results_path, repair=False).records.values())
         paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
         print("\n".join(f"[oda eval] wrote {p}" for p in paths.values()), file=sys.stderr)
         return 0
@@ -178,7 +186,9 @@ def run_eval(args) -> int:
         examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
                                          max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
     records = runner.evaluate(model, tokenizer, examples, policies, results_path, chat_template=args.chat_template,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, share_prefill=not args.separate_prefills,
+                              manifest_path=os.path.join(out, MANIFEST_FILE),
+                              adopt_unlabeled=args.adopt_unlabeled_records)
     paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
     if args.trajectories:
         primary = args.primary_threshold if args.primary_threshold is not None else \

@@ -1,8 +1,9 @@
-"""Generation evaluation: every policy decodes every example greedily from its own Full prefill.
+"""Generation evaluation: every policy decodes every example greedily from the prompt's Full prefill.
 
-Each (example, policy) pair is one `generate()` call with batch size one, so every policy follows
-its own generated trajectory and keeps its own selected history (the prefill is Full for every
-policy, so the same prompt gives the same prefill). One JSONL record is appended per pair; a rerun
+Each (example, policy) pair decodes with batch size one, so every policy follows its own generated
+trajectory and keeps its own selected history. The prefill is Full for every policy, so it runs
+once per prompt (`SharedPrefill`) and each policy continues from its own copy of that cache; the
+results equal one separate `generate()` call per pair. One JSONL record is appended per pair; a rerun
 skips the pairs already in the file (key: example id, policy name).
 
 The matched Random control (paper Appendix B.5) needs ODA's observed Full-call rate per task, so
@@ -13,6 +14,7 @@ it runs after the ODA runs at its threshold: on task d it calls Full with probab
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -149,23 +151,48 @@ def paper_policies(thresholds: Sequence[float] = PAPER_THRESHOLDS, seeds: Sequen
 
 
 class ResultsFile:
-    """Append-only JSONL of records keyed by (example id, policy name); a rerun skips finished keys."""
+    """Append-only JSONL of records keyed by (example id, policy name); a rerun skips finished keys.
 
-    def __init__(self, path: str | os.PathLike):
+    A run killed mid-write leaves a partial last line: opening the file cuts it off (logged), so
+    that pair is simply redone. With ``repair=False`` (read-only use) it is skipped instead. An
+    unreadable line elsewhere is not an interrupted write: it is an error.
+    """
+
+    def __init__(self, path: str | os.PathLike, repair: bool = True):
         self.path = os.fspath(path)
         self.records: dict[tuple[str, str], dict] = {}
-        if os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as f:
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        # A run killed mid-write leaves a partial last line: that pair is simply redone.
-                        logger.warning(f"{self.path}:{number}: unreadable record skipped (interrupted write?).")
-                        continue
-                    self.records[(record["id"], record["policy"])] = record
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        good_end = 0  # byte offset after the last readable line
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    if number < len(lines) and any(rest.strip() for rest in lines[number:]):
+                        raise ValueError(
+                            f"{self.path}:{number}: unreadable record in the middle of the file (not an interrupted "
+                            "write). Fix or delete that line, or write to a new output file.") from None
+                    break
+                self.records[(record["id"], record["policy"])] = record
+            good_end += len(line) + 1
+        good_end = min(good_end, len(data))
+        if good_end == len(data) and data.endswith(b"\n") or not data:
+            return
+        if not repair:
+            logger.warning(f"{self.path}: the last line is incomplete (interrupted write?); it is ignored.")
+            return
+        with open(self.path, "r+b") as f:
+            f.truncate(good_end)
+            if good_end and not data[:good_end].endswith(b"\n"):
+                f.seek(good_end)
+                f.write(b"\n")  # the last record was complete but its line end was not written
+        if good_end < len(data):
+            logger.warning(f"{self.path}: removed an incomplete last line ({len(data) - good_end} bytes, an "
+                           "interrupted write); that record will be generated again.")
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.records
@@ -174,19 +201,128 @@ class ResultsFile:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        needs_newline = os.path.exists(self.path) and os.path.getsize(self.path) > 0 and not _ends_with_newline(self.path)
         with open(self.path, "a", encoding="utf-8") as f:
-            if needs_newline:
-                f.write("\n")
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
+            os.fsync(f.fileno())  # a record on disk is never redone, so make sure it is really there
         self.records[(record["id"], record["policy"])] = record
 
 
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
+# -- what a run's results depend on -------------------------------------------------------------------
+
+MANIFEST_FORMAT = 1
+
+
+def head_fingerprint(head) -> str | None:
+    """SHA-256 of a recall head's weights (names, dtypes, shapes and bytes, in name order); None without a head."""
+    if head is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def prompt_fingerprint(input_ids: Sequence[int]) -> str:
+    """SHA-256 of a prompt's token ids: a record is only reused for the same prompt."""
+    return hashlib.sha256(json.dumps([int(i) for i in input_ids]).encode()).hexdigest()
+
+
+def run_settings(model, chat_template: bool = False) -> dict:
+    """The settings that change every record of a run (policy, output cap and prompt are per record)."""
+    return {
+        "model": getattr(model.config, "_name_or_path", None) or None,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "head_sha256": head_fingerprint(getattr(model, "recall_head", None)),
+        "sinks": model.oda_config.sinks, "window": model.oda_config.window,
+        "chat_template": bool(chat_template),
+    }
+
+
+def record_settings(settings: dict, spec: PolicySpec, example: EvalExample, input_ids: Sequence[int],
+                    p: float | None = None) -> dict:
+    """Everything one record's result depends on: the run's settings, its policy, output cap and prompt."""
+    return {**settings, "policy": spec.name, "threshold": spec.threshold, "seed": spec.seed,
+            "p": p if spec.kind == "random" and spec.matched else spec.p,
+            "max_new_tokens": example.max_new_tokens, "prompt_sha256": prompt_fingerprint(input_ids)}
+
+
+def _differences(old: dict, new: dict, keys: Iterable[str] | None = None) -> list[str]:
+    keys = sorted(set(old) | set(new)) if keys is None else keys
+    return [f"{key}: {old.get(key)!r} there, {new.get(key)!r} now" for key in keys if old.get(key) != new.get(key)]
+
+
+def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
+    """Error naming the differing keys if an existing manifest at `path` has other settings."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        try:
+            saved = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): delete it or write to a new output folder.") from err
+    differences = _differences(saved.get("settings", {}), settings)
+    if differences:
+        raise ValueError(
+            f"{results_path} was generated with other settings ({path}): " + "; ".join(differences)
+            + ". Records of different settings must not mix: write to a new output folder (--out).")
+
+
+def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
+    """Write the run's manifest (settings and library versions), atomically."""
+    import transformers
+
+    from .. import __version__
+
+    path = os.fspath(path)
+    manifest = {"format": MANIFEST_FORMAT, "results": os.path.basename(os.fspath(results_path)), "settings": settings,
+                "versions": {"oda_hf": __version__, "transformers": transformers.__version__,
+                             "torch": torch.__version__}}
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalExample],
+                  policies: Sequence[PolicySpec], tokenizer, chat_template: bool, adopt_unlabeled: bool = False) -> None:
+    """Every record this run would reuse must have been made with this run's settings (error naming the keys).
+
+    `adopt_unlabeled`: records without settings (older oda_hf) are trusted to have this run's settings.
+    """
+    adopted = 0
+    for example in examples:
+        done = [(spec, results.records[(example.id, spec.name)]) for spec in policies
+                if (example.id, spec.name) in results]
+        if not done:
+            continue
+        input_ids = encode_prompt(example, tokenizer, chat_template)
+        for spec, record in done:
+            where = f"{results.path} already holds ({example.id}, {spec.name})"
+            if "settings" not in record:
+                if adopt_unlabeled:
+                    adopted += 1
+                    continue
+                raise ValueError(f"{where} without its settings (written by an older oda_hf), so it cannot be "
+                                 "reused safely. Write to a new output folder (--out), or, if you know it was made "
+                                 "with this run's settings, pass adopt_unlabeled=True (--adopt-unlabeled-records).")
+            expected = record_settings(settings, spec, example, input_ids)
+            differences = _differences(record["settings"], expected, [k for k in expected if k != "p"])
+            if differences:
+                raise ValueError(f"{where} generated with other settings: " + "; ".join(differences)
+                                 + ". Records of different settings must not mix: write to a new output folder "
+                                 "(--out).")
+    if adopted:
+        logger.warning(f"{results.path}: reusing {adopted} records without settings as made with this run's settings "
+                       "(adopt_unlabeled).")
 
 
 # -- one generation ---------------------------------------------------------------------------------
@@ -244,19 +380,83 @@ def greedy_config(model, tokenizer, max_new_tokens: int):
     return config
 
 
+class SharedPrefill:
+    """One Full prefill of a prompt, reused by every policy of that prompt.
+
+    Every policy's prefill is Full, so it is the same computation for all of them: it runs once
+    (ODA's own prefill, through `generate()` for the first output token, so that token passes the
+    same logits processors), and each policy continues decoding from its own copy of the cache.
+    `take()` hands out copies; the last user may take the original. While a policy decodes, the
+    prompt's KV is held twice (the original and the policy's copy).
+    """
+
+    def __init__(self, model, tokenizer, input_ids: Sequence[int], max_new_tokens: int):
+        self.input_ids = list(input_ids)
+        self.max_new_tokens = max_new_tokens
+        # The capacity a plain generate() would allocate (max_length - 1), so buffers and results match it.
+        self._cache = model.new_cache(max_cache_len=len(self.input_ids) + max_new_tokens - 1)
+        saved = model.oda_config
+        try:
+            model.set_routing(policy="full")  # the prefill never routes; any policy would do
+            ids = torch.tensor([self.input_ids], dtype=torch.long, device=model.device)
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    generation_config=greedy_config(model, tokenizer, 1), past_key_values=self._cache)
+        finally:
+            model.oda_config = saved
+        self.first_token = int(output[0, -1])
+
+    def take(self, last: bool = False):
+        """(cache, selected hidden state) for one policy: a copy, or the original when `last`."""
+        if self._cache is None:
+            raise RuntimeError("This shared prefill was already handed out as the last one.")
+        cache = self._cache if last else copy.deepcopy(self._cache)
+        if last:
+            self._cache = None
+        return cache, cache.selected_hidden
+
+
+def _min_new_tokens(model, already: int) -> int | None:
+    """The model's `min_new_tokens` minus the `already` generated tokens (None when unset)."""
+    wanted = model.generation_config.min_new_tokens
+    return None if wanted is None else max(wanted - already, 0)
+
+
 @torch.no_grad()
 def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, input_ids: Sequence[int],
-                    p: float | None = None) -> dict:
-    """Run one greedy generation with `spec`'s routing and return its record."""
+                    p: float | None = None, prefill: SharedPrefill | None = None, last: bool = False,
+                    settings: dict | None = None) -> dict:
+    """Run one greedy generation with `spec`'s routing and return its record.
+
+    With `prefill` (of these `input_ids`), decoding continues from its Full prefill instead of
+    running its own; the outputs and routing are those of a separate `generate()` call.
+    `last`: this is the prefill's last user (it may consume the original cache). `settings`: the
+    run's `run_settings` (computed here when not given), stored in the record with its own.
+    """
+    settings = run_settings(model) if settings is None else settings
     saved = model.oda_config
+    eos = eos_token_ids(model, tokenizer)
     try:
         model.set_routing(**spec.routing(p))
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)
         config = greedy_config(model, tokenizer, example.max_new_tokens)
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        if prefill is None:
+            ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            new_ids = output[0, ids.shape[1]:].tolist()
+        else:
+            if prefill.input_ids != list(input_ids) or prefill.max_new_tokens != example.max_new_tokens:
+                raise ValueError(f"example {example.id!r}: the shared prefill is of another prompt or output cap.")
+            cache, hidden = prefill.take(last)
+            model.begin_request(cache, hidden)  # routing starts after the prefill, as in generate()
+            new_ids = [prefill.first_token]
+            if prefill.first_token not in eos and example.max_new_tokens > 1:
+                ids = torch.tensor([list(input_ids) + new_ids], dtype=torch.long, device=model.device)
+                config.max_new_tokens = example.max_new_tokens - 1
+                config.min_new_tokens = _min_new_tokens(model, 1)
+                output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                        past_key_values=cache)
+                new_ids = output[0, len(input_ids):].tolist()
     finally:
         model.oda_config = saved
-    new_ids = output[0, ids.shape[1]:].tolist()
     routing = model.routing
     steps = int(routing.steps_per_row[0])
     decisions = routing.decisions[0, :steps].tolist()
@@ -269,9 +469,10 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
         "output": text, "output_ids": new_ids,
         "score": score_example(example.metric, text, example.answers),
         "decisions": [int(d) for d in decisions], "routed_steps": steps, "full_calls": int(sum(decisions)),
-        "hit_cap": hit_output_cap(new_ids, example.max_new_tokens, eos_token_ids(model, tokenizer)),
+        "hit_cap": hit_output_cap(new_ids, example.max_new_tokens, eos),
         "num_input_tokens": len(input_ids), "num_output_tokens": len(new_ids),
         "max_new_tokens": example.max_new_tokens,
+        "settings": record_settings(settings, spec, example, input_ids, p),
     }
     if head_scores is not None:
         record["head_scores"] = [round(s, 6) if math.isfinite(s) else None for s in head_scores]
@@ -291,11 +492,21 @@ def task_rates(records: Iterable[dict]) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequence[PolicySpec],
-             output_path: str | os.PathLike, *, chat_template: bool = False, progress: bool = True) -> list[dict]:
+             output_path: str | os.PathLike, *, chat_template: bool = False, progress: bool = True,
+             share_prefill: bool = True, manifest_path: str | os.PathLike | None = None,
+             adopt_unlabeled: bool = False) -> list[dict]:
     """Run every policy on every example (resumable) and return their records.
 
     Records already in `output_path` are reused, not regenerated. Matched Random policies run after
-    the ODA policy they match, with its per-task rates over these examples.
+    the ODA policy they match, with its per-task rates over these examples. `share_prefill`: one
+    Full prefill per prompt for all its policies (same results; ``False`` runs one prefill per
+    policy and holds the prompt's KV only once, for prompts whose KV fits in memory only once).
+
+    Every record carries the settings it was made with (`record_settings`), and the run's settings
+    go to a manifest (default: `output_path` with the suffix ``.manifest.json``). A rerun whose
+    settings differ from the manifest's or from a record it would reuse is an error naming the
+    differing keys. `adopt_unlabeled`: reuse records of older versions that carry no settings,
+    trusting that they were made with this run's settings.
     """
     if not examples:
         raise ValueError("The suite is empty: nothing to evaluate.")
@@ -308,28 +519,34 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     for spec in policies:
         if spec.kind == "random" and spec.matched and oda(spec.threshold).name not in names:
             raise ValueError(f"{spec.name} matches ODA at threshold {spec.threshold}: add that ODA policy too.")
+    settings = run_settings(model, chat_template)
+    if manifest_path is None:
+        manifest_path = os.path.splitext(os.fspath(output_path))[0] + ".manifest.json"
+    check_manifest(manifest_path, settings, output_path)
     results = ResultsFile(output_path)
-    for example in examples:
-        for spec in policies:
-            done = results.records.get((example.id, spec.name))
-            if done is not None and done.get("max_new_tokens") != example.max_new_tokens:
-                raise ValueError(
-                    f"{results.path} already holds ({example.id}, {spec.name}) generated with max_new_tokens="
-                    f"{done.get('max_new_tokens')}, but this run asks for {example.max_new_tokens}: records of "
-                    "different settings must not mix. Write to a new output file.")
+    check_records(results, settings, examples, policies, tokenizer, chat_template, adopt_unlabeled)
+    if not os.path.exists(manifest_path):
+        write_manifest(manifest_path, settings, output_path)
     direct = [s for s in policies if not (s.kind == "random" and s.matched)]
     matched = [s for s in policies if s.kind == "random" and s.matched]
-    encoded: dict[str, list[int]] = {}  # only the current example: long-context prompts are large
 
     def run(jobs, description):
         jobs = [(example, spec, p) for example, spec, p in jobs if (example.id, spec.name) not in results]
+        remaining: dict[str, int] = {}  # jobs left per example: the last one may consume the shared prefill
+        for example, _, _ in jobs:
+            remaining[example.id] = remaining.get(example.id, 0) + 1
+        current, input_ids, prefill = None, None, None  # only the current example: long prompts are large
         for example, spec, p in tqdm(jobs, desc=description, disable=not progress or not jobs):
-            if example.id not in encoded:
-                encoded.clear()
-                encoded[example.id] = encode_prompt(example, tokenizer, chat_template)
-            results.add(generate_record(model, tokenizer, example, spec, encoded[example.id], p))
+            if example.id != current:
+                current, prefill = example.id, None
+                input_ids = encode_prompt(example, tokenizer, chat_template)
+                if share_prefill and remaining[example.id] > 1:  # a single job just runs generate()
+                    prefill = SharedPrefill(model, tokenizer, input_ids, example.max_new_tokens)
+            remaining[example.id] -= 1
+            results.add(generate_record(model, tokenizer, example, spec, input_ids, p, prefill=prefill,
+                                        last=remaining[example.id] == 0, settings=settings))
 
-    # Example-major order, so a prompt is tokenized once for all policies.
+    # Example-major order, so a prompt is tokenized and prefilled once for all policies.
     run([(e, s, None) for e in examples for s in direct], "generate")
     if matched:
         rates = {}  # threshold -> task -> ODA's observed Full-call rate on that task

@@ -6,7 +6,7 @@ The loss is ``mean CE over target tokens + filler_coef * mean CE over predictabl
 (random payload such as keys, values and list words gets no LM loss). Batches are a pure function of
 ``(seed, step)``, so a resumed run sees exactly the data an uninterrupted run would. The run writes a
 checkpoint (model, optimizer, scheduler, RNG, step, data digest) atomically every ``--save-every``
-steps and, at the end, a loadable model folder (safetensors, config, generation config, tokenizer,
+steps, as one safetensors file (tensors) with JSON metadata (everything else; no pickle), and, at the end, a loadable model folder (safetensors, config, generation config, tokenizer,
 ``organism.json`` with seeds and data hashes).
 
 `evaluate_backbone(model_dir, split, n)` scores greedy generation per task (RULER string match) with
@@ -46,7 +46,9 @@ from .corpus import (
 )
 from .metrics import example_score
 
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = "checkpoint.safetensors"
+LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # pickle, written by older versions: never loaded
+CHECKPOINT_FORMAT = 1
 ORGANISM_FILE = "organism.json"
 EVAL_LENGTHS = (256, 512, 1024)
 
@@ -262,10 +264,72 @@ def batch_losses(model, batch: dict, filler_coef: float, attention_mask=None, si
 # --------------------------------------------------------------------------------------------------
 
 
-def _atomic_torch_save(obj, path: str) -> None:
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, each with its own memory (safetensors refuses shared storage, e.g. tied embeddings)."""
+    seen, out = set(), {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return out
+
+
+def save_checkpoint(path: str, *, cfg: TrainConfig, model, optimizer, scheduler, step: int, train_digest: str,
+                    n_seen: int, elapsed: float) -> None:
+    """Write the training state atomically: tensors in safetensors, the rest as JSON in its metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
+    optimizer_state = optimizer.state_dict()
+    plain_state = {}
+    for index, entry in optimizer_state["state"].items():
+        plain_state[str(index)] = {k: v for k, v in entry.items() if not torch.is_tensor(v)}
+        tensors.update({f"optimizer/{index}/{k}": v for k, v in entry.items() if torch.is_tensor(v)})
+    tensors["rng/torch"] = torch.get_rng_state()
+    python_rng = random.getstate()
+    state = {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "step": step, "train_digest": train_digest,
+             "n_seen": n_seen, "elapsed": elapsed, "scheduler": scheduler.state_dict(),
+             "optimizer": {"param_groups": optimizer_state["param_groups"], "state": plain_state},
+             "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    save_file(_unshared(tensors), tmp, metadata={"oda_organism_checkpoint": json.dumps(state)})
     os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON state, tensors) of a checkpoint written by `save_checkpoint`."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for a file that is not safetensors
+        raise ValueError(f"{path} is not a readable safetensors checkpoint ({err}). Start a new run in another "
+                         "--output.") from err
+    if "oda_organism_checkpoint" not in metadata:
+        raise ValueError(f"{path} is not an organism training checkpoint (no 'oda_organism_checkpoint' metadata).")
+    state = json.loads(metadata["oda_organism_checkpoint"])
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: checkpoint format {state.get('format')!r} is not supported "
+                         f"(this version reads format {CHECKPOINT_FORMAT}).")
+    return state, tensors
+
+
+def restore_checkpoint(state: dict, tensors: dict[str, torch.Tensor], model, optimizer, scheduler) -> None:
+    """Put a loaded checkpoint back into the model, optimizer, scheduler and RNGs."""
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    optimizer_state = {int(index): dict(entry) for index, entry in state["optimizer"]["state"].items()}
+    for key, value in tensors.items():
+        if key.startswith("optimizer/"):
+            _, index, name = key.split("/", 2)
+            optimizer_state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": optimizer_state, "param_groups": state["optimizer"]["param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(tensors["rng/torch"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -337,17 +401,18 @@ def train(output: str, cfg: TrainConfig, resume: bool = False, progress: bool = 
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     step, digest, n_seen, elapsed = 0, hashlib.sha256(b"oda-organism-train").hexdigest(), 0, 0.0
+    legacy_path = os.path.join(output, LEGACY_CHECKPOINT_NAME)
+    if resume and not os.path.exists(ckpt_path) and os.path.exists(legacy_path):
+        raise ValueError(
+            f"{legacy_path} is a pickle checkpoint of an older oda_hf. It is not loaded: unpickling can run arbitrary "
+            f"code. Start a new run in another --output (or without --resume); this version writes {CHECKPOINT_NAME}.")
     if resume and os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, weights_only=False)
+        state, tensors = load_checkpoint(ckpt_path)
         saved = TrainConfig.from_dict(state["config"])
         if dataclasses.replace(saved, max_steps=cfg.max_steps, threads=cfg.threads, save_every=cfg.save_every,
                                eval_every=cfg.eval_every) != cfg:
             raise ValueError(f"{ckpt_path} was written with a different configuration; use another --output.")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        restore_checkpoint(state, tensors, model, optimizer, scheduler)
         step, digest, n_seen, elapsed = state["step"], state["train_digest"], state["n_seen"], state["elapsed"]
         print(f"[organism] resumed from {ckpt_path} at step {step}")
     model.train()
@@ -358,12 +423,9 @@ def train(output: str, cfg: TrainConfig, resume: bool = False, progress: bool = 
     dev_batches = _fixed_dev_batches(corpus, cfg, eval_lengths[:1] + eval_lengths[-1:])
     log_path = os.path.join(output, "train_log.jsonl")
 
-    def save_checkpoint():
-        _atomic_torch_save({
-            "config": cfg.to_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(), "step": step, "train_digest": digest, "n_seen": n_seen,
-            "elapsed": elapsed}, ckpt_path)
+    def checkpoint():
+        save_checkpoint(ckpt_path, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
+                        train_digest=digest, n_seen=n_seen, elapsed=elapsed)
 
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="organism",
                mininterval=0.5 if sys.stderr.isatty() else 10.0)
@@ -401,7 +463,7 @@ def train(output: str, cfg: TrainConfig, resume: bool = False, progress: bool = 
                 f.write(json.dumps(record) + "\n")
             t_last = time.time()  # evaluation time is not training time
         if step % cfg.save_every == 0 or step == end:
-            save_checkpoint()
+            checkpoint()
             t_last = time.time()
     bar.close()
     if step < cfg.max_steps:
@@ -510,7 +572,7 @@ def format_scores(results: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="output folder (model, tokenizer, checkpoint)")
-    parser.add_argument("--resume", action="store_true", help="continue from <output>/checkpoint.pt if present")
+    parser.add_argument("--resume", action="store_true", help="continue from <output>/checkpoint.safetensors if present")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-at", type=int, default=None, help="pause at this step (resume later)")

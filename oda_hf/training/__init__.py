@@ -7,7 +7,7 @@ Module map:
 * `deltanet`  - the same for Qwen3.5 Gated DeltaNet layers (call-time forward wrapper, restored afterwards);
 * `paired`    - one backbone pass -> access gains, head inputs H/E/L at every eligible position;
 * `losses`    - target ``T(g - lambda)``, Huber(1), ``micro``/``step`` reductions;
-* `trainer`   - `OdaTrainer` / `OdaTrainingArguments` (head-only checkpoints, resume, DDP);
+* `trainer`   - `OdaTrainer` / `OdaTrainingArguments` (head-only atomic checkpoints, checked resume, DDP);
 * `data`      - documents -> packed rows -> padded batches; `cli` - ``oda train-head``.
 """
 
@@ -15,7 +15,7 @@ from .data import OdaDataCollator, PackedDataset, min_document_length, pack_docu
 from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
 from .losses import microbatch_loss, regression_target, signed_log, token_losses
 from .paired import PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states, target_logprobs
-from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
 __all__ = [
     "HeadTrainingModule",
@@ -28,6 +28,7 @@ __all__ = [
     "SequenceLayout",
     "build_layout",
     "count_eligible",
+    "last_complete_checkpoint",
     "microbatch_loss",
     "min_document_length",
     "pack_documents",

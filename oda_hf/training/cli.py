@@ -14,7 +14,6 @@ Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -40,12 +39,15 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--save-steps", type=int, default=200, help="updates between head checkpoints (default 200)")
     parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
     parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
-    parser.add_argument("--input-variant", default="HEL", help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
+    parser.add_argument("--input-variant", default=None, help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
     parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
-    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
+    parser.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --output")
+    parser.add_argument("--allow-changed-settings", action="store_true",
+                        help="resume even if the checkpoint was trained with other supervision settings (sinks, window, "
+                             "lambda, tau-hist, loss reduction, seq-len, base, tokenizer); recorded in oda_training.json")
     parser.set_defaults(func=run_cli)
     return parser
 
@@ -53,15 +55,18 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def run_cli(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
 
     from ..config import OdaConfig
     from ..head import RecallHead, RecallHeadConfig
     from ..modeling import OdaForCausalLM
     from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
-    from .trainer import OdaTrainer, OdaTrainingArguments
+    from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
     OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    min_length = min_document_length(args.sinks, args.window)
+    if args.seq_len < min_length:
+        raise SystemExit(f"--seq-len {args.seq_len} is shorter than s + w + 2 = {min_length} tokens, the shortest row "
+                         f"with an eligible position: use --seq-len >= {min_length} or a smaller --window/--sinks.")
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
@@ -69,26 +74,33 @@ def run_cli(args) -> int:
     set_seed(args.seed)
     checkpoint = None
     if args.resume:
-        checkpoint = get_last_checkpoint(args.output) if os.path.isdir(args.output) else None
+        checkpoint = last_complete_checkpoint(args.output)
         if checkpoint is None:
-            raise SystemExit(f"--resume: no checkpoint-* folder in {args.output}.")
+            raise SystemExit(f"--resume: no complete checkpoint-* folder in {args.output}.")
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
-                                 min_length=min_document_length(args.sinks, args.window))
+    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
     print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
           f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
-          f"{min_document_length(args.sinks, args.window)} tokens dropped (no eligible position).", file=sys.stderr)
+          f"{min_length} tokens dropped (no eligible position).", file=sys.stderr)
+    if stats.documents == 0:
+        raise SystemExit(f"No training document in {args.data}: it is empty (or holds only blank lines).")
     if not rows:
-        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = "
-                         f"{min_document_length(args.sinks, args.window)} tokens. Use longer documents or a smaller --window.")
+        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use longer "
+                         "documents or a smaller --window.")
 
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
     if checkpoint is not None:
         head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights are reloaded on resume
+        for option, key in (("--head-width", "head_width"), ("--input-variant", "input_variant")):
+            asked, trained = getattr(args, key), getattr(head.config, key)
+            if asked is not None and asked != trained:
+                raise SystemExit(f"--resume: {checkpoint} holds a head with {key}={trained!r}, but {option} asks for "
+                                 f"{asked!r}. Drop {option} to resume it, or start a new --output.")
     else:
-        head = RecallHead(RecallHeadConfig.for_base(base, head_width=args.head_width, input_variant=args.input_variant))
+        head = RecallHead(RecallHeadConfig.for_base(base, head_width=args.head_width,
+                                                    input_variant=args.input_variant or "HEL"))
     model = OdaForCausalLM(base, head, OdaConfig(sinks=args.sinks, window=args.window, policy="head"))
 
     training_args = OdaTrainingArguments(
@@ -97,12 +109,13 @@ def run_cli(args) -> int:
         save_strategy="steps", save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed,
         disable_tqdm=False, oda_lambda=args.oda_lambda, oda_tau_hist=args.tau_hist,
         oda_loss_reduction=args.loss_reduction, oda_sinks=args.sinks, oda_window=args.window,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(), oda_allow_changed_settings=args.allow_changed_settings,
     )
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
         base.config.get_text_config(decoder=True).pad_token_id
     trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
-                         data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0))
+                         data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
+                         supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(args.output)
     print(f"[oda] {result.global_step} updates ({trainer.skipped_updates} skipped without eligible tokens), "

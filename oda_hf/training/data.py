@@ -93,6 +93,9 @@ def pack_documents(documents: Iterable[dict], seq_len: int, min_length: int = 2)
     """Greedy packing into rows of at most `seq_len` tokens (see the module docstring)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2; got {seq_len}.")
+    if min_length > seq_len:
+        raise ValueError(f"seq_len={seq_len} is shorter than min_length={min_length} (s + w + 2 for training): no row "
+                         "could hold an eligible position. Use a longer seq_len or a smaller window.")
     stats = PackingStats()
     rows, current = [], {"input_ids": [], "position_ids": [], "labels": []}
     docs = list(documents)

@@ -21,18 +21,28 @@ What differs from a stock Trainer:
   Training data with no eligible position at all raises ``ValueError``.
 * Checkpoints hold the head only (``model.safetensors`` + ``config.json`` via
   `RecallHead.save_pretrained`, plus ``oda_config.json``); resuming loads them back into the head.
+  Each is written under a temporary name and renamed when complete, so a run killed mid-save never
+  leaves a partial ``checkpoint-N``; ``resume_from_checkpoint=True`` takes the newest complete one
+  (`last_complete_checkpoint`). No pickle: the training arguments are saved as JSON.
+* ``oda_training.json`` (in every checkpoint and the final folder) records the settings that define
+  the supervision (`OdaTrainer.supervision_settings`). Resuming with other settings is an error
+  naming them, unless ``oda_allow_changed_settings=True``; the file then keeps the change in its
+  ``history``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import safetensors.torch
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import OdaConfig
@@ -44,7 +54,10 @@ from .paired import LM_CHUNK, paired_supervision
 
 logger = logging.get_logger(__name__)
 
-TRAINING_ARGS_NAME = "training_args.bin"
+TRAINING_ARGS_NAME = "training_args.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+SETTINGS_NAME = "oda_training.json"
+STAGING_PREFIX = "tmp-checkpoint-"  # a checkpoint being written; renamed to checkpoint-N when complete
 MICRO_COUNT, UPDATE_COUNT, NUM_MICRO = "oda_micro_count", "oda_update_count", "oda_num_micro"
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -63,6 +76,8 @@ class OdaTrainingArguments(TrainingArguments):
     oda_sinks: int | None = field(default=None, metadata={"help": "Sinks s (default: the model's OdaConfig)."})
     oda_window: int | None = field(default=None, metadata={"help": "Window w (default: the model's OdaConfig)."})
     oda_lm_chunk: int = field(default=LM_CHUNK, metadata={"help": "Positions per vocabulary log-sum-exp chunk."})
+    oda_allow_changed_settings: bool = field(default=False, metadata={
+        "help": "Resume even if the checkpoint was trained with other supervision settings (recorded in its history)."})
 
     learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate (paper: 3e-4)."})
     warmup_steps: float = field(default=102, metadata={"help": "Linear warm-up updates (paper: 102)."})
@@ -88,6 +103,52 @@ class OdaTrainingArguments(TrainingArguments):
                 "OdaTrainer keeps the recall head in FP32 and runs the frozen backbone in the dtype it was loaded "
                 "with: load the base model in bfloat16/float16 instead of setting bf16/fp16."
             )
+
+
+def is_complete_checkpoint(folder: str) -> bool:
+    """A checkpoint folder whose head weights and (last written) trainer state are there and readable."""
+    if not os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
+        return False
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return True
+
+
+def last_complete_checkpoint(folder: str, clean: bool = True) -> str | None:
+    """The newest complete ``checkpoint-N`` in `folder` (None if there is none).
+
+    Incomplete ones (written by a run killed mid-save before saves were atomic) are skipped, and
+    leftover ``tmp-checkpoint-N`` folders of interrupted saves are removed (``clean``); both are logged.
+    """
+    if not os.path.isdir(folder):
+        return None
+    found = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(STAGING_PREFIX):
+            if clean:
+                logger.warning(f"Removing {path}: a checkpoint whose writing was interrupted.")
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        prefix, _, number = name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and number.isdigit():
+            found.append((int(number), path))
+    for _, path in sorted(found, reverse=True):
+        if is_complete_checkpoint(path):
+            return path
+        logger.warning(f"Skipping {path}: incomplete checkpoint (no {SAFE_WEIGHTS_NAME} or no readable "
+                       f"{TRAINER_STATE_NAME}); resuming from an older one.")
+    return None
+
+
+def _differences(saved: dict, current: dict) -> list[str]:
+    return [f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
+            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 
 
 class HeadTrainingModule(nn.Module):
@@ -146,7 +207,9 @@ class OdaTrainer(Trainer):
     loss_is_scaled_for_ga = True  # compute_loss normalises over the whole update itself
 
     def __init__(self, model: OdaForCausalLM, args: OdaTrainingArguments, train_dataset=None, eval_dataset=None,
-                 data_collator=None, **kwargs):
+                 data_collator=None, supervision_settings: dict | None = None, **kwargs):
+        """`supervision_settings`: further settings that change the supervision and are known only to the
+        caller (e.g. the packing length of the data); recorded and checked on resume with the trainer's own."""
         if not isinstance(model, OdaForCausalLM):
             raise TypeError(f"OdaTrainer trains the recall head of an OdaForCausalLM; got {type(model).__name__}.")
         if model.recall_head is None:
@@ -175,6 +238,13 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
+        self.supervision_settings = {
+            "base_model": getattr(model.config, "_name_or_path", None) or None,
+            "sinks": self.oda_sinks, "window": self.oda_window, "oda_lambda": args.oda_lambda,
+            "tau_hist": args.oda_tau_hist, "loss_reduction": args.oda_loss_reduction, **(supervision_settings or {}),
+        }
+        self._settings_history: list[dict] = []
+        self._staging_dir: str | None = None
 
     # -- eligible-token counts of an update -----------------------------------------------------------
     def _pooled_counts(self, batch_samples: list, device) -> torch.Tensor:
@@ -248,12 +318,51 @@ class OdaTrainer(Trainer):
         return self.lr_scheduler
 
     # -- a dataset without supervision is an error, not a silent no-op --------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if resume_from_checkpoint is True:  # the stock pick would take a partial folder
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, clean=self.args.should_save)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}.")
+        if resume_from_checkpoint:
+            if not is_complete_checkpoint(resume_from_checkpoint):
+                raise ValueError(f"{resume_from_checkpoint} is not a complete checkpoint (no {SAFE_WEIGHTS_NAME} or no "
+                                 f"readable {TRAINER_STATE_NAME}; an interrupted write?). Pass "
+                                 "resume_from_checkpoint=True to take the newest complete one.")
+            self._check_resume_settings(resume_from_checkpoint)
         self._check_supervision()
-        output = super().train(*args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.state.global_step > 0 and self.applied_updates == 0 and self.skipped_updates > 0:
             raise ValueError(self._no_supervision_message("the training data"))
         return output
+
+    def _check_resume_settings(self, checkpoint: str) -> None:
+        """Resuming must keep the supervision the checkpoint was trained with (unless explicitly allowed)."""
+        allow = self.args.oda_allow_changed_settings
+        path = os.path.join(checkpoint, SETTINGS_NAME)
+        if not os.path.isfile(path):
+            message = (f"{checkpoint} records no training settings ({SETTINGS_NAME}; written by an older oda_hf), so "
+                       "resuming cannot check that the supervision stays the same")
+            if not allow:
+                raise ValueError(message + ". Pass oda_allow_changed_settings=True (--allow-changed-settings) to "
+                                 "resume anyway, or start a new output folder.")
+            logger.warning(message + "; resuming anyway (allowed).")
+            return
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        self._settings_history = list(saved.get("history", []))
+        differences = _differences(saved["settings"], self.supervision_settings)
+        if not differences:
+            return
+        if not allow:
+            raise ValueError(
+                f"Resuming {checkpoint} with other supervision settings: " + "; ".join(differences) + ". Resume with "
+                "the checkpoint's settings or start a new output folder; to continue anyway (the saved head then "
+                "claims the new settings, and oda_training.json keeps the change in its history), pass "
+                "oda_allow_changed_settings=True (--allow-changed-settings).")
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+            step = json.load(f).get("global_step")
+        logger.warning(f"Resuming {checkpoint} with other supervision settings (allowed): " + "; ".join(differences))
+        self._settings_history.append({"until_step": step, "settings": saved["settings"]})
 
     def _no_supervision_message(self, what: str) -> str:
         return (f"No eligible position in {what}: supervision needs segments longer than s + w + 1 = "
@@ -283,7 +392,44 @@ class OdaTrainer(Trainer):
         config = self.oda_model.oda_config
         OdaConfig(sinks=self.oda_sinks, window=self.oda_window, threshold=config.threshold,
                   policy="head").save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())  # JSON, not the stock pickled training_args.bin
+        with open(os.path.join(output_dir, SETTINGS_NAME), "w", encoding="utf-8") as f:
+            json.dump({"format": 1, "settings": self.supervision_settings, "history": self._settings_history}, f,
+                      indent=2)
+
+    # -- atomic checkpoints ---------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        # While a checkpoint is written, the stock _save_checkpoint writes it inside the staging folder.
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The stock checkpoint, written under a temporary name and renamed to ``checkpoint-N`` when complete."""
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{self.state.global_step}")
+        staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.exists(staging):
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every process has written its part (e.g. its RNG state)
+        if self.state.best_model_checkpoint == staged:
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if self.args.should_save:
+            if os.path.exists(final):  # e.g. a partial folder of an older version at this step
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            os.rmdir(staging)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def _load_head(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
