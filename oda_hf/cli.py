@@ -97,8 +97,9 @@ def _subcommands() -> list:
     from .evaluation import cli as evaluation_cli
     from .organism import demo
     from .training import cli as training_cli
+    from .training import supervision_cache
 
-    return [demo.add_cli, cost.add_cli, training_cli.add_cli, evaluation_cli.add_cli]
+    return [demo.add_cli, cost.add_cli, training_cli.add_cli, supervision_cache.add_cli, evaluation_cli.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:
