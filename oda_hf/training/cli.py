@@ -8,6 +8,8 @@
 ``--tokenizer``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
 into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
 updates) and the final result in ``--output`` hold only the head and its routing defaults.
+With ``--from-cache CACHE`` (written by ``oda cache-supervision``) the head trains on stored
+supervision instead (`supervision_cache.py`), e.g. ``--epochs 20``; s, w and tau_hist are the cache's.
 Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.cli train-head ...``.
 """
 
@@ -41,7 +43,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--warmup-steps", type=int, default=102, help="linear warm-up updates (default 102)")
     parser.add_argument("--batch-size", type=int, default=1, help="rows per microbatch and device (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1, help="microbatches per update (default 1)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed row (default 8192)")
+    parser.add_argument("--seq-len", type=int, default=8192,
+                        help="tokens per packed row (default 8192; unused with --from-cache: the cache holds rows)")
     parser.add_argument("--save-steps", type=int, default=200, help="updates between head checkpoints (default 200)")
     parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
     parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
@@ -153,7 +156,7 @@ def _data_source(args):
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(str(err)) from err
     for key in DEFAULTS:
-        given, cached = getattr(args, key), getattr(cache, key)
+        given, cached = getattr(args, key), cache.manifest[key]
         if given is not None and given != cached:
             flag = "--" + key.replace("_", "-")
             raise SystemExit(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w and "

@@ -60,6 +60,8 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 #: Manifest keys that must agree for a cache to be resumed or trained from.
 IDENTITY_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "seq_len", "data_sha256", "rows",
                  "rows_per_shard", "dtype", "hidden_size")
+FINGERPRINT_IGNORED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_internal",
+                       "_attn_implementation", "_commit_hash")
 
 
 def rows_sha256(rows: Sequence[dict]) -> str:
@@ -80,7 +82,11 @@ def base_fingerprint(model) -> str:
     last layers; the head trains on this model's hidden states, so a different base must not reuse them.
     """
     base = model.base_model if isinstance(model, OdaForCausalLM) else model
-    digest = hashlib.sha256(base.config.get_text_config(decoder=True).to_json_string(use_diff=False).encode())
+    config = base.config.get_text_config(decoder=True).to_dict()
+    for key in FINGERPRINT_IGNORED:  # where the model was loaded from / with which library version: same weights
+        config.pop(key, None)
+    config["loaded_dtype"] = str(base.dtype)  # the cached hidden states are computed in this dtype
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     parameters = [base.get_input_embeddings().weight, list(base.parameters())[-1]]
     for tensor in parameters:
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
@@ -205,11 +211,21 @@ class SupervisionCache:
         self._handles: dict[int, object] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 
-    def __getattr__(self, name):  # settings: cache.sinks, cache.window, cache.tau_hist, ...
-        manifest = self.__dict__.get("manifest", {})
-        if name in manifest:
-            return manifest[name]
-        raise AttributeError(name)
+    @property
+    def sinks(self) -> int:
+        return self.manifest["sinks"]
+
+    @property
+    def window(self) -> int:
+        return self.manifest["window"]
+
+    @property
+    def tau_hist(self) -> float:
+        return self.manifest["tau_hist"]
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.manifest["seq_len"]
 
     def __getstate__(self):  # safetensors handles do not pickle (DataLoader workers reopen them)
         state = dict(self.__dict__)
