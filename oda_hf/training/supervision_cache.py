@@ -33,6 +33,7 @@ Trainer draws the same rows in the same order and both reductions (``micro``: me
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import os
@@ -257,7 +258,7 @@ class SupervisionCache:
         """``prev_hidden``/``input_embeds``/``local_hidden`` (float32 ``[n, d]``) and ``gains`` ``[n]`` of row `i`."""
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} out of range for a cache of {len(self)} rows.")
-        shard = next(k for k in range(len(self.shards) - 1, -1, -1) if self._first_rows[k] <= i)
+        shard = bisect.bisect_right(self._first_rows, i) - 1
         handle, offsets = self._shard(shard)
         local = i - self._first_rows[shard]
         start, stop = int(offsets[local]), int(offsets[local + 1])
