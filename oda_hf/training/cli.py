@@ -131,8 +131,7 @@ def run_cli(args) -> int:
     return 0
 
 
-
-DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001}
+SETTING_DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001}
 
 
 def _data_source(args):
@@ -145,7 +144,7 @@ def _data_source(args):
         raise SystemExit("Give the training data as exactly one of --data (token or text records) or --from-cache "
                          "(a folder written by `oda cache-supervision`).")
     if args.from_cache is None:
-        for key, value in DEFAULTS.items():
+        for key, value in SETTING_DEFAULTS.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
         return None
@@ -155,7 +154,7 @@ def _data_source(args):
         cache = SupervisionCache(args.from_cache)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(str(err)) from err
-    for key in DEFAULTS:
+    for key in SETTING_DEFAULTS:
         given, cached = getattr(args, key), cache.manifest[key]
         if given is not None and given != cached:
             flag = "--" + key.replace("_", "-")

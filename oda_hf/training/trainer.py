@@ -163,8 +163,9 @@ class OdaTrainer(Trainer):
         head_config = model.recall_head.config
         head_config.sinks, head_config.window = self.oda_sinks, self.oda_window
         head_config.oda_lambda, head_config.tau_hist = args.oda_lambda, args.oda_tau_hist
-        module = self.training_module_class(model, sinks=self.oda_sinks, window=self.oda_window, oda_lambda=args.oda_lambda,
-                                    tau_hist=args.oda_tau_hist, lm_chunk=args.oda_lm_chunk)
+        module = self.training_module_class(model, sinks=self.oda_sinks, window=self.oda_window,
+                                            oda_lambda=args.oda_lambda, tau_hist=args.oda_tau_hist,
+                                            lm_chunk=args.oda_lm_chunk)
         if data_collator is None:
             pad = getattr(model.config.get_text_config(decoder=True), "pad_token_id", None)
             data_collator = OdaDataCollator(pad_token_id=pad if pad is not None else 0)
