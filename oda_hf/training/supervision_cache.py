@@ -27,7 +27,9 @@ Training: `SupervisionCacheDataset` has one item per packed row and `CachedSuper
 concatenates the rows of a microbatch, so a microbatch of the cached path holds exactly the positions
 of the same rows' recomputed microbatch. With the same rows, seed, batch size and accumulation, the
 Trainer draws the same rows in the same order and both reductions (``micro``: mean of microbatch means;
-``step``) give the same updates as `OdaTrainer` recomputing supervision.
+``step``) give the same updates as `OdaTrainer` recomputing supervision: bit for bit with one row per
+microbatch (the cache runs each row alone, as recomputation then does); with several rows per
+microbatch, recomputation pads them into one backbone pass that rounds differently (~1e-7 in H/E/L).
 """
 
 from __future__ import annotations
