@@ -94,11 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommands() -> list:
     """Subcommands defined next to the code they drive (each module has add_cli(subparsers))."""
     from . import cost
+    from .evaluation import calibration
     from .evaluation import cli as evaluation_cli
     from .organism import demo
     from .training import cli as training_cli
+    from .training import supervision_cache
 
-    return [demo.add_cli, cost.add_cli, training_cli.add_cli, evaluation_cli.add_cli]
+    return [demo.add_cli, cost.add_cli, training_cli.add_cli, supervision_cache.add_cli, evaluation_cli.add_cli,
+            calibration.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

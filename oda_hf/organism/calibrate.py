@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 
+from ..evaluation.calibration import choose_threshold, save_calibration
 from .corpus import TASKS, OrganismCorpus
 from .evaluate import EVAL_LENGTHS, organism_examples
 
@@ -27,18 +28,8 @@ from .evaluate import EVAL_LENGTHS, organism_examples
 THRESHOLD_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.5)
 
 
-def choose_threshold(sweep: list[dict], full_score: float, tolerance: float) -> dict:
-    """The sweep entry with the lowest pooled rate whose score is >= Full's - `tolerance` (ties: the
-    lower threshold). Falls back to the best-scoring entry if none is that close."""
-    close = [s for s in sweep if s["macro_score"] >= full_score - tolerance]
-    if close:
-        return min(close, key=lambda s: (s["pooled_full_call_rate"], s["threshold"]))
-    return max(sweep, key=lambda s: (s["macro_score"], -s["pooled_full_call_rate"]))
-
-
 def calibrate_threshold(organism: str, output: str, n: int = 5, grid=THRESHOLD_GRID, tolerance: float = 1.0,
                         lengths=EVAL_LENGTHS, tasks=TASKS, write: bool = True) -> dict:
-    from ..config import ODA_CONFIG_NAME, OdaConfig
     from ..evaluation.report import summarize
     from ..evaluation.runner import evaluate, full, oda
     from ..evaluation.suites import examples_from_organism
@@ -63,12 +54,8 @@ def calibrate_threshold(organism: str, output: str, n: int = 5, grid=THRESHOLD_G
     with open(os.path.join(output, "calibration.json"), "w") as f:
         json.dump(result, f, indent=1)
     if write:
-        head_dir = os.path.join(organism, "head")
-        config = OdaConfig.from_kwargs(model.oda_config, threshold=chosen["threshold"], policy="head")
-        config.save_pretrained(head_dir)
-        with open(os.path.join(head_dir, "calibration.json"), "w") as f:  # shipped beside the head: its provenance
-            json.dump(result, f, indent=1)
-        result["written"] = os.path.join(head_dir, ODA_CONFIG_NAME)
+        # oda_config.json gets the threshold; calibration.json is shipped beside the head as its provenance
+        result["written"] = save_calibration(os.path.join(organism, "head"), model.oda_config, result)
     return result
 
 

@@ -8,6 +8,8 @@
 ``--tokenizer``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
 into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
 updates) and the final result in ``--output`` hold only the head and its routing defaults.
+With ``--from-cache CACHE`` (written by ``oda cache-supervision``) the head trains on stored
+supervision instead (`supervision_cache.py`), e.g. ``--epochs 20``; s, w and tau_hist are the cache's.
 Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.cli train-head ...``.
 """
 
@@ -21,21 +23,27 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train-head", help="train a recall head on paired supervision (head-only checkpoints)",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
-    parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
+    parser.add_argument("--data", default=None, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
+    parser.add_argument("--from-cache", default=None,
+                        help="train on a supervision cache from `oda cache-supervision` instead of --data (no backbone "
+                             "pass per update; s, w and tau_hist come from the cache)")
     parser.add_argument("--output", required=True, help="output folder (checkpoints and the final head)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
-    parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
-    parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
+    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default 4)")
+    parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token (default 2048)")
     parser.add_argument("--lambda", dest="oda_lambda", type=float, default=0.0, help="Full-call penalty lambda (default 0)")
-    parser.add_argument("--tau-hist", type=float, default=0.001, help="history threshold tau_hist (default 0.001)")
+    parser.add_argument("--tau-hist", type=float, default=None, help="history threshold tau_hist (default 0.001)")
     parser.add_argument("--loss-reduction", choices=("micro", "step"), default="micro",
                         help="micro: mean of microbatch means; step: sum / eligible tokens of the update")
     parser.add_argument("--max-steps", type=int, default=1000, help="optimizer updates (default 1000)")
+    parser.add_argument("--epochs", type=float, default=None,
+                        help="passes over the data instead of --max-steps (natural with --from-cache)")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     parser.add_argument("--warmup-steps", type=int, default=102, help="linear warm-up updates (default 102)")
     parser.add_argument("--batch-size", type=int, default=1, help="rows per microbatch and device (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1, help="microbatches per update (default 1)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed row (default 8192)")
+    parser.add_argument("--seq-len", type=int, default=8192,
+                        help="tokens per packed row (default 8192; unused with --from-cache: the cache holds rows)")
     parser.add_argument("--save-steps", type=int, default=200, help="updates between head checkpoints (default 200)")
     parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
     parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
@@ -62,9 +70,10 @@ def run_cli(args) -> int:
     from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
     from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
+    cache = _data_source(args)  # fills in sinks / window / tau_hist (from the cache if training from one)
     OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
     min_length = min_document_length(args.sinks, args.window)
-    if args.seq_len < min_length:
+    if cache is None and args.seq_len < min_length:
         raise SystemExit(f"--seq-len {args.seq_len} is shorter than s + w + 2 = {min_length} tokens, the shortest row "
                          f"with an eligible position: use --seq-len >= {min_length} or a smaller --window/--sinks.")
     if args.threads is not None:
@@ -79,15 +88,20 @@ def run_cli(args) -> int:
             raise SystemExit(f"--resume: no complete checkpoint-* folder in {args.output}.")
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
-    print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
-          f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
-          f"{min_length} tokens dropped (no eligible position).", file=sys.stderr)
-    if stats.documents == 0:
-        raise SystemExit(f"No training document in {args.data}: it is empty (or holds only blank lines).")
-    if not rows:
-        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use longer "
-                         "documents or a smaller --window.")
+    if cache is not None:
+        rows = None
+        print(f"[oda] supervision cache {args.from_cache}: {len(cache)} rows, {cache.num_positions} eligible "
+              f"positions, s={args.sinks} w={args.window} tau_hist={args.tau_hist}", file=sys.stderr)
+    else:
+        rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
+        print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
+              f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
+              f"{min_length} tokens dropped (no eligible position).", file=sys.stderr)
+        if stats.documents == 0:
+            raise SystemExit(f"No training document in {args.data}: it is empty (or holds only blank lines).")
+        if not rows:
+            raise SystemExit(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use "
+                             "longer documents or a smaller --window.")
 
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
@@ -104,7 +118,8 @@ def run_cli(args) -> int:
     model = OdaForCausalLM(base, head, OdaConfig(sinks=args.sinks, window=args.window, policy="head"))
 
     training_args = OdaTrainingArguments(
-        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        output_dir=args.output, max_steps=args.max_steps if args.epochs is None else -1,
+        num_train_epochs=args.epochs if args.epochs is not None else 3.0, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         save_strategy="steps", save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed,
         disable_tqdm=False, oda_lambda=args.oda_lambda, oda_tau_hist=args.tau_hist,
@@ -113,12 +128,49 @@ def run_cli(args) -> int:
     )
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
         base.config.get_text_config(decoder=True).pad_token_id
-    trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
-                         data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
-                         supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
+    if cache is not None:
+        from .supervision_cache import OdaCacheTrainer
+
+        trainer = OdaCacheTrainer(model=model, args=training_args, cache=cache)
+    else:
+        trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
+                             data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
+                             supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(args.output)
     print(f"[oda] {result.global_step} updates ({trainer.skipped_updates} skipped without eligible tokens), "
           f"final loss {result.training_loss:.5f}; recall head saved to {args.output}", file=sys.stderr)
     return 0
 
+
+SETTING_DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001}
+
+
+def _data_source(args):
+    """The supervision cache of ``--from-cache`` (or None for ``--data``); sets args.sinks/window/tau_hist.
+
+    A cache fixes s, w and tau_hist (its hidden states were computed with them): flags that disagree
+    with it are an error, absent flags take the cache's values.
+    """
+    if (args.data is None) == (args.from_cache is None):
+        raise SystemExit("Give the training data as exactly one of --data (token or text records) or --from-cache "
+                         "(a folder written by `oda cache-supervision`).")
+    if args.from_cache is None:
+        for key, value in SETTING_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        return None
+    from .supervision_cache import SupervisionCache
+
+    try:
+        cache = SupervisionCache(args.from_cache)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(str(err)) from err
+    for key in SETTING_DEFAULTS:
+        given, cached = getattr(args, key), cache.manifest[key]
+        if given is not None and given != cached:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w and "
+                             f"tau_hist. Drop {flag} or cache again with the new value.")
+        setattr(args, key, cached)
+    return cache

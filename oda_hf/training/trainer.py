@@ -205,6 +205,8 @@ class OdaTrainer(Trainer):
     """Trains `model.recall_head` of an `OdaForCausalLM` on paired supervision (see the module docstring)."""
 
     loss_is_scaled_for_ga = True  # compute_loss normalises over the whole update itself
+    training_module_class = HeadTrainingModule  # what runs per microbatch (subclasses: cached supervision)
+    model_inputs = MODEL_INPUTS                  # batch keys passed to it
 
     def __init__(self, model: OdaForCausalLM, args: OdaTrainingArguments, train_dataset=None, eval_dataset=None,
                  data_collator=None, supervision_settings: dict | None = None, **kwargs):
@@ -224,8 +226,9 @@ class OdaTrainer(Trainer):
         head_config = model.recall_head.config
         head_config.sinks, head_config.window = self.oda_sinks, self.oda_window
         head_config.oda_lambda, head_config.tau_hist = args.oda_lambda, args.oda_tau_hist
-        module = HeadTrainingModule(model, sinks=self.oda_sinks, window=self.oda_window, oda_lambda=args.oda_lambda,
-                                    tau_hist=args.oda_tau_hist, lm_chunk=args.oda_lm_chunk)
+        module = self.training_module_class(model, sinks=self.oda_sinks, window=self.oda_window,
+                                            oda_lambda=args.oda_lambda, tau_hist=args.oda_tau_hist,
+                                            lm_chunk=args.oda_lm_chunk)
         if data_collator is None:
             pad = getattr(model.config.get_text_config(decoder=True), "pad_token_id", None)
             data_collator = OdaDataCollator(pad_token_id=pad if pad is not None else 0)
@@ -249,11 +252,14 @@ class OdaTrainer(Trainer):
     # -- eligible-token counts of an update -----------------------------------------------------------
     def _pooled_counts(self, batch_samples: list, device) -> torch.Tensor:
         """Eligible tokens per microbatch, summed over processes: long ``[M]``."""
-        local = torch.tensor([count_eligible(b, sinks=self.oda_sinks, window=self.oda_window) for b in batch_samples],
-                             dtype=torch.long, device=device)
+        local = torch.tensor([self.count_eligible(b) for b in batch_samples], dtype=torch.long, device=device)
         if self.args.world_size > 1 and len(batch_samples):
             local = self.accelerator.gather(local).view(self.args.world_size, -1).sum(0)
         return local
+
+    def count_eligible(self, batch: dict) -> int:
+        """Eligible positions of one collated microbatch (from its tokens: no model runs)."""
+        return count_eligible(batch, sinks=self.oda_sinks, window=self.oda_window)
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
         return self._pooled_counts(batch_samples, device).sum()
@@ -289,7 +295,7 @@ class OdaTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro, update, num_micro = inputs.pop(MICRO_COUNT, None), inputs.pop(UPDATE_COUNT, None), inputs.pop(NUM_MICRO, None)
-        outputs = model(**{key: inputs[key] for key in MODEL_INPUTS if key in inputs})
+        outputs = model(**{key: inputs[key] for key in self.model_inputs if key in inputs})
         losses = outputs["losses"]
         if micro is None:  # outside the training loop: this batch's own eligible-token mean
             loss = losses.sum() / max(losses.numel(), 1)
@@ -374,7 +380,7 @@ class OdaTrainer(Trainer):
         if dataset is None or not hasattr(dataset, "__len__"):
             return  # iterable data: checked after training (every update skipped -> error)
         for i in range(len(dataset)):  # stops at the first row with supervision
-            if count_eligible(self.data_collator([dataset[i]]), sinks=self.oda_sinks, window=self.oda_window):
+            if self.count_eligible(self.data_collator([dataset[i]])):
                 return
         raise ValueError(self._no_supervision_message(f"the training dataset ({len(dataset)} rows)"))
 

@@ -1,0 +1,282 @@
+"""Calibrate the recall head's routing threshold on dev prompts and save it with the head.
+
+    oda calibrate --base B --head HEAD_DIR --data dev.jsonl --target-rate 0.25 --out runs/calib \
+        [--test-data test.jsonl] [--chat-template]
+    oda calibrate --base B --head HEAD_DIR --data dev.jsonl --within-full 1.0 --out runs/calib
+
+Two rules:
+
+* ``--target-rate R`` (a Full-call budget): the threshold whose pooled dev Full-call rate is the
+  highest not above ``R``. Rates are measured by real greedy generation at each threshold, because
+  routing changes the trajectory (other tokens, another selected history, hence other head scores):
+  head scores recorded along one trajectory do not give the rate of another threshold. Generation runs
+  first at every threshold of a grid, then bisects between the chosen threshold and the next lower one
+  (whose rate is above ``R``) for ``refine_steps`` more runs. The pooled rate need not be monotone in the
+  threshold, so the choice is always over every threshold actually run.
+* ``--within-full P``: the lowest pooled rate whose dev macro score is within ``P`` points of Full's
+  (`choose_threshold`, the model organism's rule); this runs Full too.
+
+The chosen threshold goes into the head folder's ``oda_config.json`` (the routing default that
+``OdaForCausalLM.from_pretrained(base, head=folder)`` loads) and the whole sweep into ``calibration.json``
+beside it and in the output folder. With test prompts, ODA at the chosen threshold is then run on
+them and the realised test rate reported (test prompts never influence the choice). Every generation
+is a record in the output folder's JSONL files (`runner.evaluate`), so an interrupted calibration
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from .report import summarize
+from .runner import evaluate, full, oda
+
+#: Head scores are ``T(g - lambda)``-scaled NLL gains: dense near 0, retrieval steps well above.
+DEFAULT_GRID = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+CALIBRATION_NAME = "calibration.json"
+DEV_RECORDS, TEST_RECORDS = "calibration_records.jsonl", "test_records.jsonl"
+INPUTS_NAME = "calibration_inputs.json"
+
+
+def choose_threshold(sweep: list[dict], full_score: float, tolerance: float) -> dict:
+    """The sweep entry with the lowest pooled rate whose score is >= Full's - `tolerance` (ties: the
+    lower threshold). Falls back to the best-scoring entry if none is that close."""
+    close = [s for s in sweep if s["macro_score"] >= full_score - tolerance]
+    if close:
+        return min(close, key=lambda s: (s["pooled_full_call_rate"], s["threshold"]))
+    return max(sweep, key=lambda s: (s["macro_score"], -s["pooled_full_call_rate"]))
+
+
+def choose_for_rate(sweep: list[dict], target_rate: float) -> dict | None:
+    """The entry with the highest pooled rate ``<= target_rate`` (ties: the lower threshold); None if none."""
+    within = [s for s in sweep if s["pooled_full_call_rate"] <= target_rate]
+    if not within:
+        return None
+    return max(within, key=lambda s: (s["pooled_full_call_rate"], -s["threshold"]))
+
+
+def _check_rate(target_rate: float) -> None:
+    if not (isinstance(target_rate, (int, float)) and math.isfinite(target_rate) and 0 <= target_rate <= 1):
+        raise ValueError(f"target_rate is a fraction of routed steps that call Full: a number in [0, 1]; got "
+                         f"{target_rate!r} (e.g. 0.25 for a quarter).")
+
+
+def _sweep_entries(records: list[dict], stage: dict[float, str]) -> list[dict]:
+    entries = []
+    for group in summarize(records).values():
+        if group.kind == "oda":
+            entries.append({"threshold": group.threshold, "stage": stage.get(group.threshold, "grid"),
+                            "pooled_full_call_rate": group.pooled_rate.mean,
+                            "task_averaged_full_call_rate": group.task_averaged_rate.mean,
+                            "macro_score": group.score.mean, "full_calls": group.full_calls,
+                            "routed_steps": group.routed_steps})
+    return sorted(entries, key=lambda s: s["threshold"])
+
+
+def _rounded(value: float) -> float:
+    return float(f"{value:.6g}")  # policy names print thresholds with 6 significant digits
+
+
+def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.PathLike, *,
+              target_rate: float | None = None, within_full: float | None = None,
+              grid: Sequence[float] = DEFAULT_GRID, refine_steps: int = 4, chat_template: bool = False,
+              test_examples: Sequence | None = None, provenance: dict | None = None, progress: bool = True) -> dict:
+    """Choose a threshold on `dev_examples` by one of the two rules (see the module docstring).
+
+    Returns the calibration result (also written to ``output_dir/calibration.json``); `save_calibration`
+    writes it into a head folder. `provenance` (e.g. data hashes) is stored in the result.
+    """
+    if (target_rate is None) == (within_full is None):
+        raise ValueError("Give exactly one rule: target_rate (a Full-call budget in [0, 1]) or within_full "
+                         "(allowed dev score loss against Full, in points).")
+    if target_rate is not None:
+        _check_rate(target_rate)
+    elif not (math.isfinite(within_full) and within_full >= 0):
+        raise ValueError(f"within_full is a score tolerance in points, >= 0; got {within_full!r}.")
+    grid = sorted({_rounded(float(t)) for t in grid})
+    if not grid or not all(math.isfinite(t) for t in grid):
+        raise ValueError(f"The threshold grid must be a non-empty list of finite numbers; got {grid!r}.")
+    if refine_steps < 0:
+        raise ValueError(f"refine_steps must be >= 0; got {refine_steps}.")
+    if not dev_examples:
+        raise ValueError("No dev prompt to calibrate on.")
+    _check_same_inputs(output_dir, provenance or {})
+    dev_path = os.path.join(output_dir, DEV_RECORDS)
+    run = dict(chat_template=chat_template, progress=progress)
+    stage = {t: "grid" for t in grid}
+    policies = ([full()] if within_full is not None else []) + [oda(t) for t in grid]
+    records = evaluate(model, tokenizer, dev_examples, policies, dev_path, **run)
+    result = {"split": "dev", "examples": len(dev_examples), "grid": grid, **(provenance or {})}
+
+    if within_full is not None:
+        full_score = summarize(records)["full"].score.mean
+        sweep = _sweep_entries(records, stage)
+        chosen = choose_threshold(sweep, full_score, within_full)
+        result.update(rule="within_full", within_full=within_full, full_macro_score=full_score)
+    else:
+        sweep = _sweep_entries(records, stage)
+        if choose_for_rate(sweep, target_rate) is None:
+            lowest = min(sweep, key=lambda s: s["pooled_full_call_rate"])
+            raise ValueError(f"No threshold on the grid keeps the pooled dev Full-call rate <= {target_rate:g}: the "
+                             f"lowest is {lowest['pooled_full_call_rate']:.3f} at threshold {lowest['threshold']:g}. "
+                             "Add higher thresholds to the grid.")
+        for _ in range(refine_steps):
+            chosen = choose_for_rate(sweep, target_rate)
+            below = [s for s in sweep if s["threshold"] < chosen["threshold"]]
+            if chosen["pooled_full_call_rate"] == target_rate or not below:
+                break  # exact, or the budget does not bind within the grid
+            mid = _rounded((max(below, key=lambda s: s["threshold"])["threshold"] + chosen["threshold"]) / 2)
+            if mid in {s["threshold"] for s in sweep}:
+                break  # bracket as narrow as the printed precision
+            stage[mid] = "refine"
+            policies.append(oda(mid))
+            records = evaluate(model, tokenizer, dev_examples, policies, dev_path, **run)  # reuses finished runs
+            sweep = _sweep_entries(records, stage)
+        chosen = choose_for_rate(sweep, target_rate)
+        result.update(rule="target_rate", target_rate=target_rate, refine_steps=refine_steps)
+    result.update(sweep=sweep, chosen=chosen)
+
+    if test_examples:
+        test_records = evaluate(model, tokenizer, test_examples, [oda(chosen["threshold"])],
+                                os.path.join(output_dir, TEST_RECORDS), **run)
+        test = _sweep_entries(test_records, {})[0]
+        result["test"] = {"examples": len(test_examples), "threshold": chosen["threshold"],
+                          "pooled_full_call_rate": test["pooled_full_call_rate"],
+                          "task_averaged_full_call_rate": test["task_averaged_full_call_rate"],
+                          "macro_score": test["macro_score"]}
+    with open(os.path.join(output_dir, CALIBRATION_NAME), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> None:
+    """Records are reused by (example id, policy): refuse a folder whose records came from other data."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, INPUTS_NAME)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            before = json.load(f)
+        differing = [k for k in set(before) | set(provenance) if before.get(k) != provenance.get(k)]
+        if differing:
+            raise ValueError(f"{output_dir} holds calibration records made with other inputs ({sorted(differing)} "
+                             "differ): use a new output folder.")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(provenance, f, indent=1)
+
+
+def save_calibration(head_dir: str | os.PathLike, oda_config, result: dict) -> str:
+    """Write the chosen threshold into ``head_dir/oda_config.json`` (routing default: the head at that
+    threshold) and the result beside it as ``calibration.json``; returns the config's path."""
+    from ..config import ODA_CONFIG_NAME, OdaConfig
+
+    if not os.path.isdir(head_dir):
+        raise FileNotFoundError(f"{head_dir} is not a local head folder: the calibrated threshold is saved into the "
+                                "head's folder (download the head first, or skip writing).")
+    OdaConfig.from_kwargs(oda_config, threshold=float(result["chosen"]["threshold"]), policy="head") \
+        .save_pretrained(head_dir)
+    with open(os.path.join(head_dir, CALIBRATION_NAME), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return os.path.join(head_dir, ODA_CONFIG_NAME)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "calibrate", help="choose the head's threshold on dev prompts (Full-call budget or score tolerance)",
+        description="Greedy generation on dev prompts at several thresholds; saves the chosen threshold in the "
+                    "head folder's oda_config.json and the sweep in calibration.json (resumable).")
+    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--head", required=True, help="recall head folder (the threshold is written into it)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
+    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's)")
+    parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's)")
+    parser.add_argument("--dtype", default="float32", help="base model dtype (default float32)")
+    parser.add_argument("--data", required=True, help="dev prompts: JSONL of {id, task, prompt, answers, max_new_tokens}")
+    parser.add_argument("--test-data", default=None, help="test prompts (same format): report the realised rate there")
+    rule = parser.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--target-rate", type=float, default=None,
+                      help="Full-call budget: the highest pooled dev rate not above this fraction (e.g. 0.25)")
+    rule.add_argument("--within-full", type=float, default=None,
+                      help="lowest pooled rate whose dev macro score is within this many points of Full")
+    parser.add_argument("--grid", nargs="+", type=float, default=list(DEFAULT_GRID), help="thresholds to run first")
+    parser.add_argument("--refine-steps", type=int, default=4, help="bisection runs after the grid (--target-rate)")
+    parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
+    parser.add_argument("--limit", type=int, default=None, help="first N examples per task")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="output cap (default: the suite's)")
+    parser.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    parser.add_argument("--out", required=True, help="output folder (records, calibration.json)")
+    parser.add_argument("--no-write", action="store_true", help="do not write the threshold into the head folder")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def run_cli(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..modeling import OdaForCausalLM
+    from .suites import load_examples
+
+    if args.target_rate is not None:
+        try:
+            _check_rate(args.target_rate)
+        except ValueError as err:
+            raise SystemExit(f"--target-rate: {err}") from err
+    if not args.no_write and not os.path.isdir(args.head):
+        raise SystemExit(f"--head {args.head} is not a local folder: the threshold is written into it. Download the "
+                         "head to a folder, or pass --no-write.")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    select = dict(default_max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
+    dev = load_examples(args.data, **select)
+    test = load_examples(args.test_data, **select) if args.test_data else None
+    routing = {key: getattr(args, key) for key in ("sinks", "window") if getattr(args, key) is not None}
+    model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=getattr(torch, args.dtype),
+                                           policy="head", **routing)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
+    provenance = {"dev_data": os.path.basename(args.data), "dev_sha256": file_sha256(args.data),
+                  "sinks": model.oda_config.sinks, "window": model.oda_config.window,
+                  "chat_template": args.chat_template}
+    if args.test_data:
+        provenance.update(test_data=os.path.basename(args.test_data), test_sha256=file_sha256(args.test_data))
+    try:
+        result = calibrate(model, tokenizer, dev, args.out, target_rate=args.target_rate, within_full=args.within_full,
+                           grid=args.grid, refine_steps=args.refine_steps, chat_template=args.chat_template,
+                           test_examples=test, provenance=provenance, progress=not args.no_progress)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
+    for s in result["sweep"]:
+        print(f"  theta={s['threshold']:<9g} dev pooled Full-call rate {s['pooled_full_call_rate']:.1%}  "
+              f"macro {s['macro_score']:.1f}  ({s['stage']})", file=sys.stderr)
+    chosen = result["chosen"]
+    print(f"[oda] chosen theta={chosen['threshold']:g}: dev rate {chosen['pooled_full_call_rate']:.1%}, dev macro "
+          f"{chosen['macro_score']:.1f}", file=sys.stderr)
+    if "test" in result:
+        test_result = result["test"]
+        print(f"[oda] test ({test_result['examples']} prompts): realised pooled Full-call rate "
+              f"{test_result['pooled_full_call_rate']:.1%}, macro {test_result['macro_score']:.1f}", file=sys.stderr)
+    if not args.no_write:
+        path = save_calibration(args.head, model.oda_config, result)
+        print(f"[oda] threshold written to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,400 @@
+"""Cached paired supervision: run the frozen backbone once per training row, train the head for many epochs.
+
+    cache = cache_supervision(oda_model, rows, "cache/", tau_hist=0.001)     # resumable, tqdm progress
+    trainer = OdaCacheTrainer(model=oda_model, args=OdaTrainingArguments(...), cache=cache)
+    trainer.train()
+
+    oda cache-supervision --base B --data D.jsonl --tokenizer B --output cache/ --window 256 --seq-len 2048
+    oda train-head --base B --from-cache cache/ --output head/ --epochs 20
+
+What is stored, per packed row (a row is what `OdaDataCollator` turns into one batch row), at its
+eligible positions only: the head inputs ``H`` (after the ``tau_hist`` rule), ``E``, ``L`` and the
+access gain ``g``. Targets ``T(g - lambda)`` are computed at train time, so one cache serves every
+lambda; ``tau_hist`` changes ``H`` and is part of the cache identity, as are the base model, ``s``, ``w``,
+``seq_len`` and the packed rows themselves (`manifest.json`).
+
+Layout: ``shard-XXXXX-of-YYYYY.safetensors`` files of `rows_per_shard` consecutive rows (tensors
+``prev_hidden``/``input_embeds``/``local_hidden`` ``[N, d]``, ``gains`` ``[N]`` float32, ``columns`` ``[N]``
+the eligible column in its row, ``row_offsets`` ``[rows + 1]``) and ``manifest.json`` (settings + the
+finished shards). A shard is written under a temporary name and renamed, then recorded in the manifest,
+so an interrupted run leaves only whole shards; a rerun skips them.
+
+Size: ``3 d`` values per position (+ 8 bytes of gain and column), i.e. ``3 * 576 * 4 + 8 = 6,920`` bytes
+(6.9 MB per 1K positions) at ``d = 576`` in float32. ``dtype=bfloat16``/``float16`` halves that, but the
+head then trains on rounded inputs: it no longer equals training with recomputation.
+
+Training: `SupervisionCacheDataset` has one item per packed row and `CachedSupervisionCollator`
+concatenates the rows of a microbatch, so a microbatch of the cached path holds exactly the positions
+of the same rows' recomputed microbatch. With the same rows, seed, batch size and accumulation, the
+Trainer draws the same rows in the same order and both reductions (``micro``: mean of microbatch means;
+``step``) give the same updates as `OdaTrainer` recomputing supervision: bit for bit with one row per
+microbatch (the cache runs each row alone, as recomputation then does); with several rows per
+microbatch, recomputation pads them into one backbone pass that rounds differently (~1e-7 in H/E/L).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from ..modeling import OdaForCausalLM
+from .data import OdaDataCollator
+from .losses import regression_target, token_losses
+from .paired import LM_CHUNK, paired_supervision
+from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+
+MANIFEST_NAME = "manifest.json"
+CACHE_FORMAT = "oda-supervision-cache/1"
+INPUT_TENSORS = ("prev_hidden", "input_embeds", "local_hidden")
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Manifest keys that must agree for a cache to be resumed or trained from.
+IDENTITY_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "seq_len", "data_sha256", "rows",
+                 "rows_per_shard", "dtype", "hidden_size")
+FINGERPRINT_IGNORED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_internal",
+                       "_attn_implementation", "_commit_hash")
+
+
+def rows_sha256(rows: Sequence[dict]) -> str:
+    """Content hash of packed rows (token ids, position ids, labels): the cache's data identity."""
+    digest = hashlib.sha256()
+    for row in rows:
+        for key in ("input_ids", "position_ids", "labels", "attention_mask"):
+            values = row.get(key)
+            digest.update(f"{key}:{'-' if values is None else ','.join(map(str, values))};".encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def base_fingerprint(model) -> str:
+    """sha256 of the base model's config and of its input-embedding and last parameter tensors.
+
+    Cheap (no full weight hash) yet changes with the architecture, the vocabulary and a fine-tune of the
+    last layers; the head trains on this model's hidden states, so a different base must not reuse them.
+    """
+    base = model.base_model if isinstance(model, OdaForCausalLM) else model
+    config = base.config.get_text_config(decoder=True).to_dict()
+    for key in FINGERPRINT_IGNORED:  # where the model was loaded from / with which library version: same weights
+        config.pop(key, None)
+    config["loaded_dtype"] = str(base.dtype)  # the cached hidden states are computed in this dtype
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    parameters = [base.get_input_embeddings().weight, list(base.parameters())[-1]]
+    for tensor in parameters:
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.safetensors"
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _check_identity(path: str, existing: dict, wanted: dict) -> None:
+    if existing.get("format") != CACHE_FORMAT:
+        raise ValueError(f"{path} is not an oda supervision cache ({CACHE_FORMAT}); got format "
+                         f"{existing.get('format')!r}. Use an empty --output folder.")
+    differing = [f"{key}: cache {existing.get(key)!r}, this run {wanted[key]!r}"
+                 for key in IDENTITY_KEYS if existing.get(key) != wanted[key]]
+    if differing:
+        raise ValueError(f"{path} holds supervision cached with other settings ({'; '.join(differing)}). "
+                         "Resume with the same base, data, sinks, window, tau_hist, seq_len, rows per shard and "
+                         "dtype, or write to a new output folder.")
+
+
+def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: str | os.PathLike, *,
+                      sinks: int | None = None, window: int | None = None, tau_hist: float = 0.001,
+                      seq_len: int | None = None, rows_per_shard: int = 16, dtype: str = "float32",
+                      pad_token_id: int = 0, lm_chunk: int = LM_CHUNK, base_name: str | None = None,
+                      progress: bool = True) -> "SupervisionCache":
+    """Paired supervision of every packed row, one backbone pass per row, into `output_dir` (resumable).
+
+    `rows` are packed rows as `pack_documents` makes them; `seq_len` (their packing length) is recorded.
+    """
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"Unknown storage dtype {dtype!r}; use one of {sorted(STORAGE_DTYPES)} (float32 keeps "
+                         "training from the cache equal to training with recomputation).")
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1; got {rows_per_shard}.")
+    if not rows:
+        raise ValueError("No packed row to cache: the training data is empty (or every document was too short).")
+    output_dir = os.fspath(output_dir)
+    sinks = model.oda_config.sinks if sinks is None else sinks
+    window = model.oda_config.window if window is None else window
+    hidden_size = model.config.get_text_config(decoder=True).hidden_size
+    num_shards = -(-len(rows) // rows_per_shard)
+    manifest = {
+        "format": CACHE_FORMAT, "base": base_name or getattr(model.base_model.config, "_name_or_path", None),
+        "base_fingerprint": base_fingerprint(model), "sinks": sinks, "window": window, "tau_hist": float(tau_hist),
+        "seq_len": seq_len, "data_sha256": rows_sha256(rows), "rows": len(rows), "rows_per_shard": rows_per_shard,
+        "dtype": dtype, "hidden_size": hidden_size, "shards": [],
+    }
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            existing = json.load(f)
+        _check_identity(path, existing, manifest)
+        manifest["shards"] = [s for s in existing.get("shards", [])
+                              if os.path.isfile(os.path.join(output_dir, s["file"]))]
+    os.makedirs(output_dir, exist_ok=True)
+    _write_json_atomic(path, manifest)
+
+    done = {s["index"] for s in manifest["shards"]}
+    collator = OdaDataCollator(pad_token_id=pad_token_id)
+    storage = STORAGE_DTYPES[dtype]
+    bar = tqdm(total=len(rows), desc="paired supervision", unit="row", disable=not progress,
+               initial=sum(s["rows"] for s in manifest["shards"]))
+    for index in range(num_shards):
+        if index in done:
+            continue
+        first, stop = index * rows_per_shard, min(len(rows), (index + 1) * rows_per_shard)
+        parts = {key: [] for key in INPUT_TENSORS + ("gains", "columns")}
+        offsets = [0]
+        for row in rows[first:stop]:
+            batch = collator([row])
+            paired = paired_supervision(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                        batch.get("labels"), sinks=sinks, window=window, tau_hist=tau_hist,
+                                        lm_chunk=lm_chunk)
+            for key in INPUT_TENSORS:
+                parts[key].append(getattr(paired, key).to(device="cpu", dtype=storage))
+            parts["gains"].append(paired.gains.float().cpu())
+            parts["columns"].append(paired.cols.to(device="cpu", dtype=torch.int32))
+            offsets.append(offsets[-1] + paired.num_eligible)
+            bar.update(1)
+        tensors = {key: torch.cat(values).contiguous() for key, values in parts.items()}
+        tensors["row_offsets"] = torch.tensor(offsets, dtype=torch.int64)
+        name = _shard_name(index, num_shards)
+        tmp = os.path.join(output_dir, f".{name}.tmp")
+        safetensors.torch.save_file(tensors, tmp, metadata={"first_row": str(first), "rows": str(stop - first)})
+        os.replace(tmp, os.path.join(output_dir, name))
+        manifest["shards"].append({"index": index, "file": name, "first_row": first, "rows": stop - first,
+                                   "positions": offsets[-1], "bytes": os.path.getsize(os.path.join(output_dir, name))})
+        manifest["shards"].sort(key=lambda s: s["index"])
+        _write_json_atomic(path, manifest)
+    bar.close()
+    return SupervisionCache(output_dir)
+
+
+class SupervisionCache:
+    """A finished cache folder: its manifest and random access to each row's positions."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        manifest_path = os.path.join(self.path, MANIFEST_NAME)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"{self.path} holds no {MANIFEST_NAME}: write a cache with "
+                                    "`oda cache-supervision` (or cache_supervision()) first.")
+        with open(manifest_path, encoding="utf-8") as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != CACHE_FORMAT:
+            raise ValueError(f"{manifest_path} is not an oda supervision cache ({CACHE_FORMAT}).")
+        self.shards = sorted(self.manifest["shards"], key=lambda s: s["index"])
+        covered = sum(s["rows"] for s in self.shards)
+        if covered != self.manifest["rows"]:
+            raise ValueError(f"{self.path} is incomplete: {covered} of {self.manifest['rows']} rows cached. Rerun "
+                             "the same `oda cache-supervision` command to finish it (finished shards are kept).")
+        self._first_rows = [s["first_row"] for s in self.shards]
+        self._handles: dict[int, object] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    @property
+    def sinks(self) -> int:
+        return self.manifest["sinks"]
+
+    @property
+    def window(self) -> int:
+        return self.manifest["window"]
+
+    @property
+    def tau_hist(self) -> float:
+        return self.manifest["tau_hist"]
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.manifest["seq_len"]
+
+    def __getstate__(self):  # safetensors handles do not pickle (DataLoader workers reopen them)
+        state = dict(self.__dict__)
+        state["_handles"], state["_offsets"] = {}, {}
+        return state
+
+    def __len__(self) -> int:
+        return self.manifest["rows"]
+
+    @property
+    def num_positions(self) -> int:
+        return sum(s["positions"] for s in self.shards)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s["bytes"] for s in self.shards)
+
+    def bytes_per_1k_positions(self) -> float:
+        return 1000 * self.num_bytes / max(self.num_positions, 1)
+
+    def _shard(self, shard: int):
+        if shard not in self._handles:
+            handle = safe_open(os.path.join(self.path, self.shards[shard]["file"]), framework="pt", device="cpu")
+            self._handles[shard] = handle
+            self._offsets[shard] = handle.get_tensor("row_offsets")
+        return self._handles[shard], self._offsets[shard]
+
+    def row(self, i: int) -> dict:
+        """``prev_hidden``/``input_embeds``/``local_hidden`` (float32 ``[n, d]``) and ``gains`` ``[n]`` of row `i`."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for a cache of {len(self)} rows.")
+        shard = bisect.bisect_right(self._first_rows, i) - 1
+        handle, offsets = self._shard(shard)
+        local = i - self._first_rows[shard]
+        start, stop = int(offsets[local]), int(offsets[local + 1])
+        item = {key: handle.get_slice(key)[start:stop].float() for key in INPUT_TENSORS}
+        item["gains"] = handle.get_slice("gains")[start:stop].float()
+        return item
+
+    def check_compatible(self, model: OdaForCausalLM, *, sinks: int, window: int, tau_hist: float) -> None:
+        """Raise if the cache was made for another base model or other s / w / tau_hist."""
+        wanted = {"sinks": sinks, "window": window, "tau_hist": float(tau_hist)}
+        differing = [f"{key}: cache {self.manifest[key]!r}, training {value!r}" for key, value in wanted.items()
+                     if self.manifest[key] != value]
+        if differing:
+            raise ValueError(f"The supervision cache {self.path} does not fit this training ({'; '.join(differing)}): "
+                             "sinks, window and tau_hist are fixed when caching. Train with the cache's values or "
+                             "cache again with the new ones.")
+        if base_fingerprint(model) != self.manifest["base_fingerprint"]:
+            raise ValueError(f"The supervision cache {self.path} was made with another base model "
+                             f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
+
+
+class SupervisionCacheDataset(Dataset):
+    """One item per cached packed row (see the module docstring for why rows, not positions)."""
+
+    def __init__(self, cache: SupervisionCache | str | os.PathLike):
+        self.cache = cache if isinstance(cache, SupervisionCache) else SupervisionCache(cache)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.cache.row(i)
+
+
+@dataclass
+class CachedSupervisionCollator:
+    """Concatenates the cached positions of a microbatch's rows."""
+
+    def __call__(self, features: list[dict]) -> dict:
+        if not features:
+            raise ValueError("Cannot collate an empty list of rows.")
+        return {key: torch.cat([f[key] for f in features]) for key in INPUT_TENSORS + ("gains",)}
+
+
+class CachedHeadTrainingModule(HeadTrainingModule):
+    """`HeadTrainingModule` whose forward takes cached head inputs and gains instead of tokens."""
+
+    main_input_name = "gains"
+
+    def forward(self, prev_hidden, input_embeds, local_hidden, gains) -> dict:
+        with torch.autocast(device_type=gains.device.type, enabled=False):
+            scores = self.oda.recall_head(prev_hidden, input_embeds, local_hidden)
+            targets = regression_target(gains, self.oda_lambda)
+            losses = token_losses(scores, targets)
+        return {"losses": losses, "scores": scores.detach(), "targets": targets, "gains": gains}
+
+
+class OdaCacheTrainer(OdaTrainer):
+    """`OdaTrainer` over a supervision cache: same optimizer, schedule, reductions, checkpoints and resume.
+
+    The backbone is not run (it is only checked against the cache's fingerprint). `train_dataset`
+    defaults to the whole cache.
+    """
+
+    training_module_class = CachedHeadTrainingModule
+    model_inputs = INPUT_TENSORS + ("gains",)
+
+    def __init__(self, model: OdaForCausalLM, args: OdaTrainingArguments, cache: SupervisionCache | str, **kwargs):
+        self.cache = cache if isinstance(cache, SupervisionCache) else SupervisionCache(cache)
+        sinks = model.oda_config.sinks if args.oda_sinks is None else args.oda_sinks
+        window = model.oda_config.window if args.oda_window is None else args.oda_window
+        self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
+        kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache))
+        kwargs.setdefault("data_collator", CachedSupervisionCollator())
+        super().__init__(model=model, args=args, **kwargs)
+
+    def count_eligible(self, batch: dict) -> int:
+        return int(batch["gains"].numel())
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "cache-supervision", help="run the frozen backbone once per training row and store the head's supervision",
+        description="Paired supervision (H after tau_hist, E, L, gains) of every packed row, at eligible positions, "
+                    "into safetensors shards + manifest.json (resumable: a rerun skips finished shards). Train "
+                    "from it with `oda train-head --from-cache`.")
+    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
+    parser.add_argument("--output", required=True, help="cache folder")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
+    parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
+    parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
+    parser.add_argument("--tau-hist", type=float, default=0.001, help="history threshold tau_hist (default 0.001)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed row (default 8192)")
+    parser.add_argument("--rows-per-shard", type=int, default=16, help="packed rows per shard file (default 16)")
+    parser.add_argument("--storage-dtype", choices=sorted(STORAGE_DTYPES), default="float32",
+                        help="dtype of H/E/L on disk (default float32; bf16/fp16 halve the size but training then "
+                             "differs from recomputation)")
+    parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def run_cli(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..config import OdaConfig
+    from .data import min_document_length, pack_documents, read_documents
+
+    OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
+                                 min_length=min_document_length(args.sinks, args.window))
+    if not rows:
+        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = "
+                         f"{min_document_length(args.sinks, args.window)} tokens. Use longer documents or a smaller --window.")
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=args.sinks, window=args.window, policy="local"))
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
+        base.config.get_text_config(decoder=True).pad_token_id
+    started = time.perf_counter()
+    cache = cache_supervision(model, rows, args.output, sinks=args.sinks, window=args.window, tau_hist=args.tau_hist,
+                              seq_len=args.seq_len, rows_per_shard=args.rows_per_shard, dtype=args.storage_dtype,
+                              pad_token_id=pad if pad is not None else 0, base_name=args.base)
+    print(f"[oda] {len(cache)} rows, {cache.num_positions} eligible positions, {cache.num_bytes / 1e6:.1f} MB "
+          f"({cache.bytes_per_1k_positions() / 1e6:.2f} MB per 1K positions) in {args.output} "
+          f"[{time.perf_counter() - started:.1f} s this run]", file=sys.stderr)
+    return 0

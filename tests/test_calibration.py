@@ -1,0 +1,127 @@
+"""Threshold calibration on dev prompts: Full-call budget (grid + bisection), within-Full rule, saving, resume, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from unittest import mock
+
+import pytest
+import torch
+
+from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf.evaluation import calibration, runner, suites
+from tiny_models import VOCAB, tiny_model
+
+GRID = [-0.05, 0.0, 0.05, 0.1]  # the tiny random head scores about -0.03 .. 0.08
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def oda_model() -> OdaForCausalLM:
+    base = tiny_model("llama")
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    return OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4, policy="head"))
+
+
+def examples(n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [suites.EvalExample(id=f"s{seed}-{i}", task=f"t{i % 2}", answers=["w5"], max_new_tokens=12,
+                               metric="string_match_all", input_ids=torch.randint(4, VOCAB, (10,), generator=g).tolist())
+            for i in range(n)]
+
+
+def head_folder(model, path):
+    model.recall_head.save_pretrained(path)
+    model.oda_config.save_pretrained(path)
+    return path
+
+
+def test_target_rate_is_the_closest_dev_rate_not_above_it_and_is_saved_with_the_head(tmp_path):
+    model, dev, test = oda_model(), examples(4, seed=0), examples(3, seed=1)
+    result = calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID, refine_steps=3,
+                                   test_examples=test, provenance={"dev_sha256": "a"}, progress=False)
+    rates = {s["threshold"]: s["pooled_full_call_rate"] for s in result["sweep"]}
+    chosen = result["chosen"]
+    assert chosen["pooled_full_call_rate"] <= 0.5
+    assert chosen["pooled_full_call_rate"] == max(r for r in rates.values() if r <= 0.5)  # closest on the grid
+    assert any(r > 0.5 for r in rates.values()) and min(rates.values()) < chosen["pooled_full_call_rate"]
+    assert sum(s["stage"] == "refine" for s in result["sweep"]) >= 1 and set(GRID) <= set(rates)
+    # the rate is a real generation's: an independent run at the chosen threshold realises it
+    again = runner.evaluate(model, None, dev, [runner.oda(chosen["threshold"])], tmp_path / "check.jsonl",
+                            progress=False)
+    assert sum(r["full_calls"] for r in again) / sum(r["routed_steps"] for r in again) == chosen["pooled_full_call_rate"]
+    assert result["test"]["threshold"] == chosen["threshold"] and 0 <= result["test"]["pooled_full_call_rate"] <= 1
+
+    head_dir = head_folder(model, tmp_path / "head")
+    calibration.save_calibration(head_dir, model.oda_config, result)
+    loaded = OdaForCausalLM.from_pretrained(model.base_model, head=str(head_dir))
+    assert loaded.oda_config.threshold == chosen["threshold"] and loaded.oda_config.policy == "head"
+    assert json.loads((head_dir / "calibration.json").read_text())["chosen"] == chosen
+
+    with mock.patch.object(runner, "generate_record", side_effect=AssertionError("regenerated")):  # resumes
+        resumed = calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID,
+                                        refine_steps=3, test_examples=test, provenance={"dev_sha256": "a"},
+                                        progress=False)
+    assert resumed["chosen"] == chosen
+    with pytest.raises(ValueError, match="other inputs"):
+        calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID,
+                              provenance={"dev_sha256": "b"}, progress=False)
+
+
+def test_within_full_rule_and_bad_requests(tmp_path):
+    model, dev = oda_model(), examples(2, seed=2)
+    result = calibration.calibrate(model, None, dev, tmp_path / "a", within_full=100.0, grid=GRID, progress=False)
+    assert result["rule"] == "within_full" and "full_macro_score" in result
+    assert result["chosen"]["pooled_full_call_rate"] == min(s["pooled_full_call_rate"] for s in result["sweep"])
+    with pytest.raises(ValueError, match="No threshold on the grid .* Add higher thresholds"):
+        calibration.calibrate(model, None, dev, tmp_path / "b", target_rate=0.0, grid=[-10.0], progress=False)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        calibration.calibrate(model, None, dev, tmp_path / "c", target_rate=25, progress=False)
+    with pytest.raises(ValueError, match="exactly one rule"):
+        calibration.calibrate(model, None, dev, tmp_path / "c", target_rate=0.2, within_full=1.0, progress=False)
+    sweep = [{"threshold": 0.0, "macro_score": 80.0, "pooled_full_call_rate": 0.6},
+             {"threshold": 0.5, "macro_score": 79.5, "pooled_full_call_rate": 0.3}]
+    assert calibration.choose_threshold(sweep, full_score=80.0, tolerance=1.0)["threshold"] == 0.5
+    assert calibration.choose_for_rate(sweep, 0.5)["threshold"] == 0.5 and calibration.choose_for_rate(sweep, 0.1) is None
+
+
+def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = oda_model()
+    base_dir = tmp_path / "base"
+    model.base_model.save_pretrained(base_dir)
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>").save_pretrained(base_dir)
+    head_dir = head_folder(model, tmp_path / "head")
+    for name, seed in (("dev.jsonl", 0), ("test.jsonl", 1)):
+        suites.write_examples(examples(3, seed), tmp_path / name)
+    parser = argparse.ArgumentParser()
+    calibration.add_cli(parser.add_subparsers(dest="command"))
+    command = ["calibrate", "--base", str(base_dir), "--head", str(head_dir), "--data", str(tmp_path / "dev.jsonl"),
+               "--test-data", str(tmp_path / "test.jsonl"), "--target-rate", "0.5", "--grid", *map(str, GRID),
+               "--refine-steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--threads", "1"]
+    args = parser.parse_args(command)
+    assert args.func(args) == 0
+    saved = json.loads((head_dir / "calibration.json").read_text())
+    assert saved["dev_sha256"] == calibration.file_sha256(tmp_path / "dev.jsonl") and "test" in saved
+    loaded = OdaForCausalLM.from_pretrained(str(base_dir), head=str(head_dir))
+    assert loaded.oda_config.threshold == saved["chosen"]["threshold"] and saved["chosen"]["pooled_full_call_rate"] <= 0.5
+    with pytest.raises(SystemExit, match="--target-rate"):
+        args = parser.parse_args(command[:7] + ["--target-rate", "25", "--out", str(tmp_path / "o2")])
+        args.func(args)
+    with pytest.raises(SystemExit, match="not a local folder"):
+        args = parser.parse_args(["calibrate", "--base", str(base_dir), "--head", "someone/head", "--data",
+                                  str(tmp_path / "dev.jsonl"), "--within-full", "1", "--out", str(tmp_path / "o3")])
+        args.func(args)

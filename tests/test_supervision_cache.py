@@ -1,0 +1,163 @@
+"""Cached paired supervision: contents, resumable shards, settings checks, training equal to recomputation, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from unittest import mock
+
+import pytest
+import safetensors.torch
+import torch
+
+from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf.training import OdaTrainer, OdaTrainingArguments, PackedDataset, pack_documents, paired_supervision
+from oda_hf.training import supervision_cache as sc
+from oda_hf.training.data import OdaDataCollator
+from tiny_models import VOCAB, tiny_model
+
+S, W = 2, 3
+
+
+def oda_model(seed: int = 1) -> OdaForCausalLM:
+    base = tiny_model("qwen3")
+    torch.manual_seed(seed)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    return OdaForCausalLM(base, head, OdaConfig(sinks=S, window=W, policy="local"))
+
+
+def packed_rows(lengths=(14, 9, 12, 20, 7, 16, 11, 13), seq_len=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+    docs[2]["labels"] = [-100] * 6 + docs[2]["input_ids"][6:]  # masked labels remove eligible positions
+    rows, _ = pack_documents(docs, seq_len=seq_len, min_length=S + W + 2)
+    return rows
+
+
+def args(path, **overrides):
+    values = dict(output_dir=str(path), per_device_train_batch_size=2, gradient_accumulation_steps=2, warmup_steps=0,
+                  learning_rate=1e-2, use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=1,
+                  report_to=[], seed=7, oda_tau_hist=0.05)
+    values.update(overrides)
+    return OdaTrainingArguments(**values)
+
+
+def test_cache_holds_the_paired_supervision_of_each_row(tmp_path):
+    model, rows = oda_model(), packed_rows()
+    cache = sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, seq_len=24, rows_per_shard=2, progress=False)
+    assert len(cache) == len(rows) and len(cache.shards) == -(-len(rows) // 2)
+    collate = OdaDataCollator()
+    total = 0
+    for i, row in enumerate(rows):
+        batch = collate([row])
+        want = paired_supervision(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                  batch.get("labels"), tau_hist=0.05)
+        got = cache.row(i)
+        assert torch.equal(got["gains"], want.gains)
+        for key in sc.INPUT_TENSORS:
+            assert torch.equal(got[key], getattr(want, key))
+        total += want.num_eligible
+    assert cache.num_positions == total > 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["tau_hist"] == 0.05 and manifest["window"] == W and manifest["seq_len"] == 24
+    d = model.config.hidden_size
+    # fp32: 3 d values + gain + column per position, plus a small header and row offsets per shard
+    assert 3 * d * 4 + 8 <= cache.bytes_per_1k_positions() / 1000 < 3 * d * 4 + 8 + 200
+
+
+def test_rerun_skips_finished_shards_and_rejects_other_settings(tmp_path):
+    model, rows = oda_model(), packed_rows()
+    first = sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
+    before = {s["file"]: safetensors.torch.load_file(tmp_path / s["file"]) for s in first.shards}
+    lost = first.shards[1]["file"]
+    os.remove(tmp_path / lost)                                     # as if the run died while writing it
+    (tmp_path / f".{lost}.tmp").write_bytes(b"partial")
+    calls = []
+    real = sc.paired_supervision
+    with mock.patch.object(sc, "paired_supervision", lambda *a, **k: calls.append(1) or real(*a, **k)):
+        again = sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
+    assert len(calls) == first.shards[1]["rows"]                   # only the missing shard was recomputed
+    for name, tensors in before.items():
+        after = safetensors.torch.load_file(tmp_path / name)
+        assert all(torch.equal(tensors[k], after[k]) for k in tensors)
+    assert again.num_positions == first.num_positions
+
+    with pytest.raises(ValueError, match="tau_hist: cache 0.05, this run 0.001"):
+        sc.cache_supervision(model, rows, tmp_path, tau_hist=0.001, rows_per_shard=3, progress=False)
+    with pytest.raises(ValueError, match="data_sha256"):
+        sc.cache_supervision(model, rows[:-1], tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
+    with pytest.raises(ValueError, match="base_fingerprint"):
+        sc.cache_supervision(OdaForCausalLM(tiny_model("qwen3", seed=3), None, OdaConfig(sinks=S, window=W, policy="local")), rows,
+                             tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
+    with pytest.raises(ValueError, match="storage dtype"):
+        sc.cache_supervision(model, rows, tmp_path / "x", dtype="int8")
+
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:1]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="incomplete"):
+        sc.SupervisionCache(tmp_path)
+    with pytest.raises(FileNotFoundError, match="cache-supervision"):
+        sc.SupervisionCache(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("reduction,batch_size,accumulation,atol", [
+    ("micro", 1, 3, 1e-6), ("step", 1, 3, 1e-6),
+    # Two padded rows per backbone pass round differently from one row alone (the cache's pass): ~1e-7 input noise.
+    ("micro", 2, 2, 1e-5)])
+def test_training_from_the_cache_equals_training_with_recomputation(tmp_path, reduction, batch_size, accumulation,
+                                                                     atol):
+    rows = packed_rows()
+    recompute = oda_model()
+    cached = copy.deepcopy(recompute)
+    initial = {k: v.clone() for k, v in recompute.recall_head.state_dict().items()}
+    cache = sc.cache_supervision(cached, rows, tmp_path / "cache", tau_hist=0.05, rows_per_shard=3, progress=False)
+    options = dict(num_train_epochs=3, oda_loss_reduction=reduction, oda_lambda=0.1,  # 3 epochs, random row order
+                   per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)
+    OdaTrainer(model=recompute, args=args(tmp_path / "a", **options), train_dataset=PackedDataset(rows)).train()
+    trainer = sc.OdaCacheTrainer(model=cached, args=args(tmp_path / "b", **options), cache=cache)
+    trainer.train()
+    assert trainer.state.global_step == 6 and trainer.applied_updates == 6  # 6 rows: 2 updates per epoch
+    want, got = recompute.recall_head.state_dict(), cached.recall_head.state_dict()
+    assert max((want[k] - initial[k]).abs().max() for k in want) > 1e-3  # the head really trained
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=0)
+
+    with pytest.raises(ValueError, match="tau_hist: cache 0.05, training 0.001"):
+        sc.OdaCacheTrainer(model=cached, args=args(tmp_path / "c", oda_tau_hist=0.001), cache=cache)
+
+
+def test_cli_caches_then_trains_from_the_cache(tmp_path):
+    from oda_hf.training import cli as training_cli
+
+    base_dir = tmp_path / "base"
+    tiny_model("qwen3").save_pretrained(base_dir)
+    g = torch.Generator().manual_seed(0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()}) + "\n"
+                            for n in (20, 3, 17, 25)))
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers(dest="command")
+    sc.add_cli(subparsers)
+    training_cli.add_cli(subparsers)
+    cache_cmd = ["cache-supervision", "--base", str(base_dir), "--data", str(data), "--output", str(tmp_path / "c"),
+                 "--sinks", "2", "--window", "3", "--seq-len", "32", "--rows-per-shard", "1", "--dtype", "float32"]
+    run = parser.parse_args(cache_cmd)
+    assert run.func(run) == 0
+    cache = sc.SupervisionCache(tmp_path / "c")
+    assert len(cache) == 3 and cache.window == 3 and cache.tau_hist == 0.001
+
+    train = ["train-head", "--base", str(base_dir), "--from-cache", str(tmp_path / "c"), "--output",
+             str(tmp_path / "head"), "--epochs", "2", "--warmup-steps", "0", "--head-width", "8", "--save-steps", "100"]
+    run = parser.parse_args(train)
+    assert run.func(run) == 0
+    model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "head"))
+    assert model.oda_config.window == 3 and model.oda_config.sinks == 2 and model.recall_head.config.tau_hist == 0.001
+    with pytest.raises(SystemExit, match="--window 5.*cache.*3"):
+        run = parser.parse_args(train + ["--window", "5"])
+        run.func(run)
+    with pytest.raises(SystemExit, match="exactly one of --data .* or --from-cache"):
+        run = parser.parse_args(train[:3] + ["--output", str(tmp_path / "x")])
+        run.func(run)
