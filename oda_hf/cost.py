@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from .cli_common import UsageError
+
 # --- the paper's setting -------------------------------------------------------------------------
 
 #: Qwen3-1.7B text config (the fields the cost model reads), so `oda flops` needs no download.
@@ -581,7 +583,7 @@ def run_cli(args) -> int:
     head = _read_head_config(args.head_config) if args.head_config else {}
     head_hidden = head.get("hidden_size", shape.hidden_size)
     if head_hidden != shape.hidden_size:
-        raise SystemExit(f"oda flops: the head reads hidden size {head_hidden}, the model has {shape.hidden_size}.")
+        raise UsageError(f"the head reads hidden size {head_hidden}, the model has {shape.hidden_size}.")
     head_params = head_param_count(head_hidden, head.get("head_width"))
     # Explicit flags win, then the Local set the head was trained with, then the paper's defaults.
     sinks = next(v for v in (args.sinks, head.get("sinks"), DEFAULT_SINKS) if v is not None)
@@ -589,10 +591,10 @@ def run_cli(args) -> int:
     ledger = CostLedger(shape, head_params, sinks, window)
     input_lengths = args.input_lengths or list(PAPER_INPUT_LENGTHS)
     if args.continuation < 2 or args.period < 1:
-        raise SystemExit("oda flops: need --continuation >= 2 (one routed step) and --period >= 1.")
+        raise UsageError("need --continuation >= 2 (one routed step) and --period >= 1.")
     for k in args.full_steps:
         if not 0 <= k <= args.period:
-            raise SystemExit(f"oda flops: --full-steps {k} is outside 0..--period {args.period}.")
+            raise UsageError(f"--full-steps {k} is outside 0..--period {args.period}.")
     rows = ledger.flops_table(input_lengths, args.continuation, args.period, args.full_steps)
 
     step = ledger.step_costs(ledger.local_range)

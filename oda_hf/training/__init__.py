@@ -9,35 +9,45 @@ Module map:
 * `losses`    - target ``T(g - lambda)``, Huber(1), ``micro``/``step`` reductions;
 * `trainer`   - `OdaTrainer` / `OdaTrainingArguments` (head-only checkpoints, resume, DDP);
 * `data`      - documents -> packed rows -> padded batches; `cli` - ``oda train-head``.
+
+Public names load on first use (see `oda_hf._lazy`).
 """
 
-from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
-from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
-from .losses import microbatch_loss, regression_target, signed_log, token_losses
-from .paired import PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states, target_logprobs
-from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "HeadTrainingModule",
-    "OdaDataCollator",
-    "OdaTrainer",
-    "OdaTrainingArguments",
-    "PackedDataset",
-    "PairedBatch",
-    "PairedStreams",
-    "SequenceLayout",
-    "build_layout",
-    "count_eligible",
-    "microbatch_loss",
-    "min_document_length",
-    "pack_documents",
-    "paired_streams",
-    "paired_supervision",
-    "preceding_states",
-    "read_documents",
-    "regression_target",
-    "shift_within_segments",
-    "signed_log",
-    "target_logprobs",
-    "token_losses",
-]
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "OdaDataCollator": ".data",
+    "PackedDataset": ".data",
+    "min_document_length": ".data",
+    "pack_documents": ".data",
+    "read_documents": ".data",
+    "SequenceLayout": ".layout",
+    "build_layout": ".layout",
+    "count_eligible": ".layout",
+    "shift_within_segments": ".layout",
+    "microbatch_loss": ".losses",
+    "regression_target": ".losses",
+    "signed_log": ".losses",
+    "token_losses": ".losses",
+    "PairedBatch": ".paired",
+    "PairedStreams": ".paired",
+    "paired_streams": ".paired",
+    "paired_supervision": ".paired",
+    "preceding_states": ".paired",
+    "target_logprobs": ".paired",
+    "HeadTrainingModule": ".trainer",
+    "OdaTrainer": ".trainer",
+    "OdaTrainingArguments": ".trainer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
+    from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
+    from .losses import microbatch_loss, regression_target, signed_log, token_losses
+    from .paired import PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states, target_logprobs
+    from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+
+__all__ = sorted(_EXPORTS)

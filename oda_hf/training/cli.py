@@ -1,11 +1,11 @@
 """``oda train-head``: train a recall head for a base model on token or text data.
 
-    oda train-head --base Qwen/Qwen3-1.7B --data corpus.jsonl --tokenizer Qwen/Qwen3-1.7B --output heads/qwen3 \
+    oda train-head --base Qwen/Qwen3-1.7B --data corpus.jsonl --output heads/qwen3 \
         --window 2048 --seq-len 8192 --max-steps 2000 --save-steps 200 [--resume]
 
 `add_cli(subparsers)` registers the subcommand; `run_cli(args)` runs it. Data: a JSON-lines file of
-``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (text needs
-``--tokenizer``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
+``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (text is tokenized
+with ``--tokenizer``, default ``--base``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
 into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
 updates) and the final result in ``--output`` hold only the head and its routing defaults.
 Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.cli train-head ...``.
@@ -17,6 +17,9 @@ import argparse
 import os
 import sys
 
+from ..cli_common import (UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype,
+                          user_input)
+
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train-head", help="train a recall head on paired supervision (head-only checkpoints)",
@@ -24,7 +27,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
     parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
     parser.add_argument("--output", required=True, help="output folder (checkpoints and the final head)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer id or folder for text records (default: --base's, if it has one)")
     parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
     parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
     parser.add_argument("--lambda", dest="oda_lambda", type=float, default=0.0, help="Full-call penalty lambda (default 0)")
@@ -41,7 +45,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
     parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
     parser.add_argument("--input-variant", default="HEL", help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
-    parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
+    parser.add_argument("--dtype", type=dtype_name, default="auto",
+                        help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
@@ -52,7 +57,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
     from ..config import OdaConfig
@@ -61,30 +66,34 @@ def run_cli(args) -> int:
     from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
     from .trainer import OdaTrainer, OdaTrainingArguments
 
-    OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    with user_input("--sinks/--window"):
+        OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    require_paths("--data", args.data)
     if args.threads is not None:
         if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
+            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     set_seed(args.seed)
     checkpoint = None
     if args.resume:
         checkpoint = get_last_checkpoint(args.output) if os.path.isdir(args.output) else None
         if checkpoint is None:
-            raise SystemExit(f"--resume: no checkpoint-* folder in {args.output}.")
+            raise UsageError(f"--resume: no checkpoint-* folder in {args.output}; run without --resume to start.")
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
-                                 min_length=min_document_length(args.sinks, args.window))
+    tokenizer = _tokenizer(args)
+    with user_input("--data"):
+        rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
+                                     min_length=min_document_length(args.sinks, args.window))
     print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
           f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
           f"{min_document_length(args.sinks, args.window)} tokens dropped (no eligible position).", file=sys.stderr)
     if not rows:
-        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = "
+        raise UsageError(f"No training row: every document is shorter than s + w + 2 = "
                          f"{min_document_length(args.sinks, args.window)} tokens. Use longer documents or a smaller --window.")
 
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
+    require_model_source("--base", args.base)
+    with user_input("--base", "give a local model folder or a hub id available offline"):
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype), attn_implementation="sdpa")
     if checkpoint is not None:
         head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights are reloaded on resume
     else:
@@ -109,3 +118,16 @@ def run_cli(args) -> int:
           f"final loss {result.training_loss:.5f}; recall head saved to {args.output}", file=sys.stderr)
     return 0
 
+
+
+def _tokenizer(args):
+    """--tokenizer, else --base's own tokenizer. Token-id data needs none, so a base folder without tokenizer
+    files is fine until a text record asks for one (its error names --tokenizer)."""
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer, "--tokenizer")
+    try:
+        return load_tokenizer(args.base, "--base (its tokenizer)")
+    except UsageError as err:
+        print(f"[oda] no tokenizer from {err}; token-id records need none, text records need --tokenizer.",
+              file=sys.stderr)
+        return None
