@@ -114,6 +114,20 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 logger.warning(f"The recall head was trained with {name}={trained}, but routing uses {name}={used}.")
         self.recall_head = head.to(device=self.device, dtype=torch.float32).eval()
 
+    def _apply(self, fn, recurse: bool = True):
+        """The path of `to()`, `half()`, `bfloat16()`, `float()`, `cuda()`...: the base model is cast and moved;
+        the recall head only follows the device and stays FP32 (never rounded through a lower precision)."""
+        head = self._modules.get("recall_head")
+        if head is None or not recurse:
+            return super()._apply(fn, recurse)
+        self._modules["recall_head"] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._modules["recall_head"] = head
+        head.to(device=self.device, dtype=torch.float32)
+        return self
+
     def set_routing(self, **changes) -> None:
         """Change routing knobs (``sinks``, ``window``, ``threshold``, ``policy``) for later requests."""
         self.oda_config = OdaConfig.from_kwargs(self.oda_config, **changes)
