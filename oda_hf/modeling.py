@@ -117,17 +117,23 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self.recall_head = head.to(device=self.device, dtype=torch.float32).eval()
 
     def _apply(self, fn, recurse: bool = True):
-        """The path of `to()`, `half()`, `bfloat16()`, `float()`, `cuda()`...: the base model is cast and moved;
-        the recall head only follows the device and stays FP32 (never rounded through a lower precision)."""
+        """The path of `to()`, `half()`, `bfloat16()`, `float()`, `cuda()`...: the base model gets `fn`; the
+        recall head gets it only where it keeps the dtype (device moves, shared memory), so it stays FP32 and
+        is never rounded through a lower precision."""
         head = self._modules.get("recall_head")
         if head is None or not recurse:
             return super()._apply(fn, recurse)
+
+        def keep_dtype(tensor):
+            applied = fn(tensor)
+            return applied if applied.dtype == tensor.dtype else tensor.to(device=applied.device)
+
         self._modules["recall_head"] = None
         try:
             super()._apply(fn, recurse)
         finally:
             self._modules["recall_head"] = head
-        head.to(device=self.device, dtype=torch.float32)
+        head._apply(keep_dtype)
         return self
 
     def set_routing(self, **changes) -> None:
