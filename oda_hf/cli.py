@@ -79,14 +79,15 @@ def check_local_matters(model, positions: int, window_source: str) -> None:
 def run_generate(args) -> int:
     import torch
 
-    tokenizer = load_tokenizer(args.tokenizer or args.base, "--tokenizer" if args.tokenizer else "--base (its tokenizer)")
+    tokenizer = load_tokenizer(args.tokenizer, args.base)
     model = load_model_from_args(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     if inputs["input_ids"].shape[1] == 0:
         raise UsageError("the prompt is empty (it tokenizes to no token); give --prompt or text on standard input.")
     # The last output comes from query position L + N - 1 (prefill's output is position L).
-    window_source = "--window" if args.window is not None else "the head's window" if args.head else "the default window"
+    window_source = "--window" if args.window is not None else "the head's window" if args.head else \
+        "the default window"
     check_local_matters(model, inputs["input_ids"].shape[1] + args.max_new_tokens - 1, window_source)
     generate_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:

@@ -75,11 +75,12 @@ def user_input(what: str, fix: str | None = None) -> Iterator[None]:
         raise UsageError(f"{what}: {first_line(err)}" + (f" ({fix})" if fix else "")) from err
 
 
-def load_tokenizer(name: str, flag: str):
-    """`AutoTokenizer.from_pretrained(name)` for the input named by `flag`, refusing an empty one: for a model
-    folder without tokenizer files transformers builds a tokenizer with no vocabulary, which would turn
-    every text into zero or one token."""
+def load_tokenizer(tokenizer: str | None, base: str):
+    """The ``--tokenizer`` given, else ``--base``'s tokenizer, refusing an empty one: for a model folder without
+    tokenizer files transformers builds a tokenizer with no vocabulary, which turns every text into <= 1 token."""
     from transformers import AutoTokenizer
+
+    name, flag = (tokenizer, "--tokenizer") if tokenizer else (base, "--base (its tokenizer)")
 
     require_model_source(flag, name)
     with user_input(flag, "give --tokenizer with a tokenizer folder or hub id"):

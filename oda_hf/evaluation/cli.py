@@ -105,7 +105,7 @@ def _load(args, threshold: float | None = None):
     if not args.base:
         raise UsageError("--base is required (unless --report-only).")
     # The tokenizer first: it is quick, and a missing chat template should not wait for the model.
-    tokenizer = load_tokenizer(args.tokenizer or args.base, "--tokenizer" if args.tokenizer else "--base (its tokenizer)")
+    tokenizer = load_tokenizer(args.tokenizer, args.base)
     if getattr(args, "chat_template", False) and getattr(tokenizer, "chat_template", None) is None:
         raise UsageError(f"--chat-template: the tokenizer of {args.tokenizer or args.base} has no chat template; "
                          "drop --chat-template or give --tokenizer with one that has a template.")
@@ -184,7 +184,8 @@ def run_eval(args) -> int:
                 for example in examples:
                     example.max_new_tokens = args.max_new_tokens
         elif args.suite == "ruler":
-            examples = suites.load_ruler(args.data, max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
+            examples = suites.load_ruler(args.data, max_new_tokens=args.max_new_tokens, tasks=args.tasks,
+                                         limit=args.limit)
         else:
             examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
                                              max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)

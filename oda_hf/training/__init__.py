@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
     from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
     from .losses import microbatch_loss, regression_target, signed_log, token_losses
-    from .paired import PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states, target_logprobs
+    from .paired import (PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states,
+                         target_logprobs)
     from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
 
 __all__ = sorted(_EXPORTS)

@@ -4,9 +4,9 @@
         --window 2048 --seq-len 8192 --max-steps 2000 --save-steps 200 [--resume]
 
 `add_cli(subparsers)` registers the subcommand; `run_cli(args)` runs it. Data: a JSON-lines file of
-``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (text is tokenized
-with ``--tokenizer``, default ``--base``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
-into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
+``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (tokenized with
+``--tokenizer``, default ``--base``'s), or a ``datasets.save_to_disk`` folder with one of those columns.
+Documents are packed into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
 updates) and the final result in ``--output`` hold only the head and its routing defaults.
 Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.cli train-head ...``.
 """
@@ -93,7 +93,8 @@ def run_cli(args) -> int:
 
     require_model_source("--base", args.base)
     with user_input("--base", "give a local model folder or a hub id available offline"):
-        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype), attn_implementation="sdpa")
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype),
+                                                    attn_implementation="sdpa")
     if checkpoint is not None:
         head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights are reloaded on resume
     else:
@@ -124,9 +125,9 @@ def _tokenizer(args):
     """--tokenizer, else --base's own tokenizer. Token-id data needs none, so a base folder without tokenizer
     files is fine until a text record asks for one (its error names --tokenizer)."""
     if args.tokenizer:
-        return load_tokenizer(args.tokenizer, "--tokenizer")
+        return load_tokenizer(args.tokenizer, args.base)
     try:
-        return load_tokenizer(args.base, "--base (its tokenizer)")
+        return load_tokenizer(None, args.base)
     except UsageError as err:
         print(f"[oda] no tokenizer from {err}; token-id records need none, text records need --tokenizer.",
               file=sys.stderr)
