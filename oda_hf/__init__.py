@@ -2,21 +2,44 @@
 
 A frozen causal LM decodes every token with Local attention (sinks + recent window); a small trained
 recall head decides when to recompute the step with Full attention over the complete KV cache.
+
+Public names load on first use (torch and transformers are not imported by ``import oda_hf``).
 """
 
-from .cache import OdaCache
-from .config import OdaConfig
-from .head import RecallHead, RecallHeadConfig
-from .modeling import OdaForCausalLM
-from .policies import (
-    AlwaysFullPolicy,
-    AlwaysLocalPolicy,
-    HeadPolicy,
-    RandomPolicy,
-    RoutingPolicy,
-    SchedulePolicy,
-)
-from .routing import RoutingRecord
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
+
+_EXPORTS = {
+    "OdaCache": ".cache",
+    "OdaConfig": ".config",
+    "RecallHead": ".head",
+    "RecallHeadConfig": ".head",
+    "OdaForCausalLM": ".modeling",
+    "AlwaysFullPolicy": ".policies",
+    "AlwaysLocalPolicy": ".policies",
+    "HeadPolicy": ".policies",
+    "RandomPolicy": ".policies",
+    "RoutingPolicy": ".policies",
+    "SchedulePolicy": ".policies",
+    "RoutingRecord": ".routing",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .cache import OdaCache
+    from .config import OdaConfig
+    from .head import RecallHead, RecallHeadConfig
+    from .modeling import OdaForCausalLM
+    from .policies import (
+        AlwaysFullPolicy,
+        AlwaysLocalPolicy,
+        HeadPolicy,
+        RandomPolicy,
+        RoutingPolicy,
+        SchedulePolicy,
+    )
+    from .routing import RoutingRecord
 
 __version__ = "0.1.0"
 

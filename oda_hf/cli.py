@@ -1,11 +1,15 @@
-"""The `oda` command line: `oda generate`, plus the subcommands other modules register."""
+"""The `oda` command line: `oda generate`, plus the subcommands other modules register.
+
+Building the parser imports no torch/transformers (subcommands import them when they run), so
+``oda --help`` is instant. User errors end as one line and exit status 2 (`cli_common.UsageError`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .policies import RandomPolicy, SchedulePolicy
+from .cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
 
 
 def parse_policy(text: str):
@@ -13,6 +17,8 @@ def parse_policy(text: str):
     kind, _, rest = text.partition(":")
     args = [a for a in rest.split(":") if a]
     try:
+        if kind in ("random", "schedule"):
+            from .policies import RandomPolicy, SchedulePolicy
         if kind == "random" and 1 <= len(args) <= 2:
             return RandomPolicy(float(args[0]), int(args[1]) if len(args) > 1 else 42)
         if kind == "schedule" and len(args) == 2:
@@ -35,29 +41,54 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="head threshold theta (default: the head's saved one, else 0)")
     parser.add_argument("--policy", type=parse_policy, default=None,
                         help="head | full | local | random:P[:SEED] | schedule:K:PERIOD (default: head if --head)")
-    parser.add_argument("--dtype", default="float32", help="base model dtype (float32, bfloat16, ...)")
+    parser.add_argument("--dtype", type=dtype_name, default="float32",
+                        help="base model dtype: float32|fp32, bfloat16|bf16, float16|fp16 or auto (default float32)")
 
 
 def load_model_from_args(args):
-    import torch
-
     from .modeling import OdaForCausalLM
 
     routing = {key: getattr(args, key) for key in ("sinks", "window", "threshold", "policy")
                if getattr(args, key) is not None}
     if args.head is None:
         routing.setdefault("policy", "local")
-    return OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=getattr(torch, args.dtype), **routing)
+    require_model_source("--base", args.base)
+    require_model_source("--head", args.head)
+    with user_input("loading the model (--base/--head)",
+                    "give a local folder written by save_pretrained or a hub id available offline"):
+        return OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=torch_dtype(args.dtype), **routing)
+
+
+def check_local_matters(model, positions: int, window_source: str) -> None:
+    """When every query position of the request is <= s + w, Local reads the whole history and equals Full.
+    The baselines (`local`, `random`, `schedule`) would silently be the Full model: refuse them. The learned
+    head still gives the right text (only its Full calls are wasted): say so on stderr."""
+    config, policy = model.oda_config, model.oda_config.routing_policy().name
+    if positions > config.local_span or policy == "full":
+        return
+    reason = (f"this request never goes past position {positions}, within s + w = {config.sinks} + {config.window} "
+              f"({window_source}), so Local reads the whole history and equals Full at every step")
+    if policy == "head":
+        print(f"[oda] note: {reason}; the head's Full calls change nothing here.", file=sys.stderr)
+        return
+    smaller = positions - config.sinks
+    fixes = ([f"a --window below {smaller}"] if smaller > 1 else []) + ["a longer prompt or more --max-new-tokens"]
+    raise UsageError(f"--policy {policy}: {reason}. Use {' or '.join(fixes)}, or --policy full.")
 
 
 def run_generate(args) -> int:
     import torch
-    from transformers import AutoTokenizer
 
+    tokenizer = load_tokenizer(args.tokenizer, args.base)
     model = load_model_from_args(args)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    if inputs["input_ids"].shape[1] == 0:
+        raise UsageError("the prompt is empty (it tokenizes to no token); give --prompt or text on standard input.")
+    # The last output comes from query position L + N - 1 (prefill's output is position L).
+    window_source = "--window" if args.window is not None else "the head's window" if args.head else \
+        "the default window"
+    check_local_matters(model, inputs["input_ids"].shape[1] + args.max_new_tokens - 1, window_source)
     generate_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         generate_kwargs["temperature"] = args.temperature
@@ -94,19 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommands() -> list:
     """Subcommands defined next to the code they drive (each module has add_cli(subparsers))."""
     from . import cost
-    from .evaluation import calibration
+    from .evaluation import calibrate_cli
     from .evaluation import cli as evaluation_cli
     from .organism import demo
+    from .training import cache_cli
     from .training import cli as training_cli
-    from .training import supervision_cache
 
-    return [demo.add_cli, cost.add_cli, training_cli.add_cli, supervision_cache.add_cli, evaluation_cli.add_cli,
-            calibration.add_cli]
+    return [demo.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli, evaluation_cli.add_cli,
+            calibrate_cli.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except UsageError as err:
+        print(f"oda {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from .cli_common import UsageError
+
 # --- the paper's setting -------------------------------------------------------------------------
 
 #: Qwen3-1.7B text config (the fields the cost model reads), so `oda flops` needs no download.
@@ -865,7 +867,7 @@ def run_cli(args) -> int:
     head = _read_head_config(args.head_config) if args.head_config else {}
     head_hidden = head.get("hidden_size", shape.hidden_size)
     if head_hidden != shape.hidden_size:
-        raise SystemExit(f"oda flops: the head reads hidden size {head_hidden}, the model has {shape.hidden_size}.")
+        raise UsageError(f"the head reads hidden size {head_hidden}, the model has {shape.hidden_size}.")
     head_params = head_param_count(head_hidden, head.get("head_width"))
     # Explicit flags win, then the Local set the head was trained with, then the paper's defaults.
     sinks = next(v for v in (args.sinks, head.get("sinks"), DEFAULT_SINKS) if v is not None)
@@ -875,10 +877,10 @@ def run_cli(args) -> int:
         return _run_batch_cli(args, ledger)
     input_lengths = args.input_lengths or list(PAPER_INPUT_LENGTHS)
     if args.continuation < 2 or args.period < 1:
-        raise SystemExit("oda flops: need --continuation >= 2 (one routed step) and --period >= 1.")
+        raise UsageError("need --continuation >= 2 (one routed step) and --period >= 1.")
     for k in args.full_steps:
         if not 0 <= k <= args.period:
-            raise SystemExit(f"oda flops: --full-steps {k} is outside 0..--period {args.period}.")
+            raise UsageError(f"--full-steps {k} is outside 0..--period {args.period}.")
     rows = ledger.flops_table(input_lengths, args.continuation, args.period, args.full_steps)
 
     step = ledger.step_costs(ledger.local_range)
@@ -895,16 +897,16 @@ def run_cli(args) -> int:
 
 def _run_batch_cli(args, ledger: CostLedger) -> int:
     if args.histories is not None and (args.batch is not None or args.history is not None):
-        raise SystemExit("oda flops: give either --histories (one length per row) or --batch with --history.")
+        raise UsageError("give either --histories (one length per row) or --batch with --history.")
     if args.batch is not None and args.history is None:
-        raise SystemExit("oda flops: --batch needs --history (the length every row has), or use --histories.")
+        raise UsageError("--batch needs --history (the length every row has), or use --histories.")
     lengths = args.histories if args.histories is not None else [args.history]
     if min(lengths) < 1 or (args.batch is not None and min(args.batch) < 1):
-        raise SystemExit("oda flops: batch sizes and history lengths must be >= 1.")
+        raise UsageError("batch sizes and history lengths must be >= 1.")
     if not all(0.0 <= rate <= 1.0 for rate in args.rate):
-        raise SystemExit(f"oda flops: --rate values are probabilities in [0, 1]; got {args.rate}.")
+        raise UsageError(f"--rate values are probabilities in [0, 1]; got {args.rate}.")
     if args.pass_overhead_us < 0:
-        raise SystemExit("oda flops: --pass-overhead-us must be >= 0.")
+        raise UsageError("--pass-overhead-us must be >= 0.")
     model = BatchCostModel(ledger, args.hardware, pass_overhead_s=args.pass_overhead_us * 1e-6)
     modes = BATCH_MODES if args.mode == "all" else (args.mode,)
     rows = batch_table(model, args.batch or [], args.rate, lengths, modes)

@@ -58,6 +58,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             self.set_head(recall_head)
         self.routing = RoutingRecord(0)
         self._policy = None
+        self._generate_call_starting = False  # the next forward is the first of a generate() call
+        self._request_prefilled = False  # the current request's first output came from a prefill
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
             raise ValueError(
@@ -113,6 +115,26 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             if trained is not None and trained != used:
                 logger.warning(f"The recall head was trained with {name}={trained}, but routing uses {name}={used}.")
         self.recall_head = head.to(device=self.device, dtype=torch.float32).eval()
+
+    def _apply(self, fn, recurse: bool = True):
+        """The path of `to()`, `half()`, `bfloat16()`, `float()`, `cuda()`...: the base model gets `fn`; the
+        recall head gets it only where it keeps the dtype (device moves, shared memory), so it stays FP32 and
+        is never rounded through a lower precision."""
+        head = self._modules.get("recall_head")
+        if head is None or not recurse:
+            return super()._apply(fn, recurse)
+
+        def keep_dtype(tensor):
+            applied = fn(tensor)
+            return applied if applied.dtype == tensor.dtype else tensor.to(device=applied.device)
+
+        self._modules["recall_head"] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._modules["recall_head"] = head
+        head._apply(keep_dtype)
+        return self
 
     def set_routing(self, **changes) -> None:
         """Change routing knobs (``sinks``, ``window``, ``threshold``, ``policy``) for later requests."""
@@ -200,7 +222,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             )
 
     def generate(self, *args, oda_fast: bool = False, **kwargs):
-        """The stock `generate()`; afterwards `self.routing` describes the request's routing.
+        """The stock `generate()`; afterwards `self.routing` describes this call's routing, also when the call
+        continues a reused ``past_key_values`` (multi-turn chat): each call starts a new record and policy state.
 
         ``oda_fast=True`` runs the request on the static decode engine (`oda_hf.engine.OdaStaticEngine`:
         preallocated buffers, device-side routing, CUDA graphs on GPU; greedy or sampling, full-attention
@@ -219,7 +242,12 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [_RecordFinishedRows(criterion, self) for criterion in kwargs["stopping_criteria"]]
             )
-        output = super().generate(*args, **kwargs)
+        # Routing describes each call, also when it continues a reused cache (multi-turn chat).
+        self._generate_call_starting = True
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            self._generate_call_starting = False
         self._mark_eos_rows(output, kwargs)
         return output
 
@@ -230,9 +258,15 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
         if sequences is None or eos is None or sequences.shape[0] != self.routing.batch_size:
             return  # beam search returns hypotheses, not cache rows: routing rows stay per beam slot
-        generated = sequences[:, -(self.routing.routed_steps + 1):]  # output k came from routed step k
+        # With a prefill, output k came from routed step k (output 0 from the prefill); a call that continued a
+        # cache with one token has no prefill output, and its output k came from routed step k + 1.
+        offset = 0 if self._request_prefilled else 1
+        outputs = self.routing.routed_steps + 1 - offset
+        if outputs == 0:
+            return
+        generated = sequences[:, -outputs:]
         is_eos = torch.isin(generated, torch.as_tensor(eos, device=sequences.device).flatten()).cpu()
-        first_eos = is_eos.int().argmax(dim=1)
+        first_eos = is_eos.int().argmax(dim=1) + offset
         known = self.routing.finished_at
         update = is_eos.any(dim=1) & ((known < 0) | (first_eos < known))
         known[update] = first_eos[update]
@@ -267,8 +301,12 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if not isinstance(past_key_values, OdaCache):
             raise TypeError(f"OdaForCausalLM needs an OdaCache (model.new_cache()); got {type(past_key_values).__name__}.")
         cache = past_key_values
-        num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        if cache.get_seq_length() == 0 or num_tokens > 1:
+        batch_size, num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        prefill = cache.get_seq_length() == 0 or num_tokens > 1
+        if cache.get_seq_length() == 0 or self._generate_call_starting:
+            self._generate_call_starting = False
+            self._start_request(batch_size, prefilled=prefill)
+        if prefill:
             hidden = self._full_prefill(cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
             if isinstance(logits_to_keep, int):
                 hidden = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
@@ -289,8 +327,6 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
 
     def _full_prefill(self, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs) -> torch.Tensor:
         batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        if cache.get_seq_length() == 0:
-            self._start_request(batch_size)
         cache.set_mode(PREFILL)
         out = self.get_decoder()(
             **self._decoder_inputs(input_ids, inputs_embeds), attention_mask=attention_mask,
@@ -307,9 +343,10 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         (the head's H input for the first routed step).
         """
         cache.selected_hidden = selected_hidden
-        self._start_request(selected_hidden.shape[0])
+        self._start_request(selected_hidden.shape[0], prefilled=False)
 
-    def _start_request(self, batch_size: int) -> None:
+    def _start_request(self, batch_size: int, prefilled: bool) -> None:
+        self._request_prefilled = prefilled
         self._policy = self.oda_config.routing_policy()
         if self._policy.uses_head and self.recall_head is None:
             raise ValueError("policy='head' needs a recall head; pass head=... or set a non-learned policy.")

@@ -12,6 +12,7 @@ import torch
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.training import OdaTrainer, OdaTrainingArguments, PackedDataset, pack_documents
+from oda_hf.cli_common import UsageError
 from oda_hf.training.cli import add_cli
 from tiny_models import VOCAB, tiny_model
 
@@ -90,14 +91,14 @@ def _copy_run(root, tmp, drop=()):
 
 # (description, data, changed or added options, prepare output: None = fresh folder, expected type, message fragment)
 CLI_ROWS = [
-    ("empty data file", _empty, {}, None, SystemExit, "is empty (or holds only blank lines)"),
-    ("only blank lines", _blank, {}, None, SystemExit, "is empty (or holds only blank lines)"),
-    ("seq-len below s + w + 2", _good, {"--seq-len": "6"}, None, SystemExit,
+    ("empty data file", _empty, {}, None, UsageError, "is empty (or holds only blank lines)"),
+    ("only blank lines", _blank, {}, None, UsageError, "is empty (or holds only blank lines)"),
+    ("seq-len below s + w + 2", _good, {"--seq-len": "6"}, None, UsageError,
      "--seq-len 6 is shorter than s + w + 2 = 7 tokens"),
-    ("every document short", _short, {}, None, SystemExit, "every document is shorter than s + w + 2 = 7 tokens"),
-    ("resume without checkpoint", _good, {"--resume": None}, None, SystemExit, "no complete checkpoint-* folder"),
+    ("every document short", _short, {}, None, UsageError, "every document is shorter than s + w + 2 = 7 tokens"),
+    ("resume without checkpoint", _good, {"--resume": None}, None, UsageError, "no complete checkpoint-* folder"),
     ("resume, only checkpoint incomplete", _good, {"--resume": None},
-     lambda root, tmp: _copy_run(root, tmp, drop=["model.safetensors"]), SystemExit, "no complete checkpoint-* folder"),
+     lambda root, tmp: _copy_run(root, tmp, drop=["model.safetensors"]), UsageError, "no complete checkpoint-* folder"),
     ("resume, other window", _good, {"--resume": None, "--window": "4"}, _copy_run, ValueError,
      "window: 3 in the checkpoint, 4 now"),
     ("resume, other sinks", _good, {"--resume": None, "--sinks": "1"}, _copy_run, ValueError,
@@ -110,7 +111,7 @@ CLI_ROWS = [
      "loss_reduction: 'step' in the checkpoint, 'micro' now"),
     ("resume, other seq-len", _good, {"--resume": None, "--seq-len": "24"}, _copy_run, ValueError,
      "seq_len: 32 in the checkpoint, 24 now"),
-    ("resume, other head width", _good, {"--resume": None, "--head-width": "16"}, _copy_run, SystemExit,
+    ("resume, other head width", _good, {"--resume": None, "--head-width": "16"}, _copy_run, UsageError,
      "holds a head with head_width=8, but --head-width asks for 16"),
     ("resume, checkpoint without settings", _good, {"--resume": None},
      lambda root, tmp: _copy_run(root, tmp, drop=["oda_training.json"]), ValueError, "records no training settings"),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
-from oda_hf.evaluation import calibration, runner, suites
+from oda_hf.cli_common import UsageError
+from oda_hf.evaluation import calibrate_cli, calibration, runner, suites
 from tiny_models import VOCAB, tiny_model
 
 GRID = [-0.05, 0.0, 0.05, 0.1]  # the tiny random head scores about -0.03 .. 0.08
@@ -108,7 +109,7 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
     for name, seed in (("dev.jsonl", 0), ("test.jsonl", 1)):
         suites.write_examples(examples(3, seed), tmp_path / name)
     parser = argparse.ArgumentParser()
-    calibration.add_cli(parser.add_subparsers(dest="command"))
+    calibrate_cli.add_cli(parser.add_subparsers(dest="command"))
     command = ["calibrate", "--base", str(base_dir), "--head", str(head_dir), "--data", str(tmp_path / "dev.jsonl"),
                "--test-data", str(tmp_path / "test.jsonl"), "--target-rate", "0.5", "--grid", *map(str, GRID),
                "--refine-steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--threads", "1"]
@@ -118,10 +119,10 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
     assert saved["dev_sha256"] == calibration.file_sha256(tmp_path / "dev.jsonl") and "test" in saved
     loaded = OdaForCausalLM.from_pretrained(str(base_dir), head=str(head_dir))
     assert loaded.oda_config.threshold == saved["chosen"]["threshold"] and saved["chosen"]["pooled_full_call_rate"] <= 0.5
-    with pytest.raises(SystemExit, match="--target-rate"):
+    with pytest.raises(UsageError, match="--target-rate"):
         args = parser.parse_args(command[:7] + ["--target-rate", "25", "--out", str(tmp_path / "o2")])
         args.func(args)
-    with pytest.raises(SystemExit, match="not a local folder"):
+    with pytest.raises(UsageError, match="not a local folder"):
         args = parser.parse_args(["calibrate", "--base", str(base_dir), "--head", "someone/head", "--data",
                                   str(tmp_path / "dev.jsonl"), "--within-full", "1", "--out", str(tmp_path / "o3")])
         args.func(args)

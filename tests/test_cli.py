@@ -1,25 +1,18 @@
 """`oda generate` end to end on a tiny saved model with a word-level tokenizer."""
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from oda_hf import RecallHead, RecallHeadConfig
 from oda_hf.cli import main, parse_policy
 from oda_hf.policies import RandomPolicy, SchedulePolicy
-from tiny_models import VOCAB, tiny_model
+from tiny_models import save_with_word_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     base = tiny_model("qwen3")
-    base.save_pretrained(root / "base")
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                            eos_token="<eos>").save_pretrained(root / "base")
+    save_with_word_tokenizer(base, root / "base")
     RecallHead(RecallHeadConfig.for_base(base, head_width=8)).save_pretrained(root / "head")
     return root
 
@@ -46,3 +39,35 @@ def test_policy_parsing():
     assert parse_policy("schedule:2:16").rate == 0.125
     with pytest.raises(Exception, match="unknown policy"):
         parse_policy("sometimes")
+
+
+def test_parser_and_help_import_no_torch():
+    """`oda --help` stays instant: building every subcommand's parser imports neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from oda_hf.cli import build_parser\n"
+            "parser = build_parser()\n"
+            "for command in ['generate', 'eval', 'diagnose', 'train-head', 'flops', 'demo']:\n"
+            "    try:\n"
+            "        parser.parse_args([command, '--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_lazy_package_exports_resolve():
+    import oda_hf
+    import oda_hf.evaluation
+    import oda_hf.training
+
+    for package in (oda_hf, oda_hf.evaluation, oda_hf.training):
+        assert set(package.__all__) <= set(dir(package))
+        for name in package.__all__:
+            assert getattr(package, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        oda_hf.NotAName

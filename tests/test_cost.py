@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
+from oda_hf.cli_common import UsageError
 from oda_hf.cost import (
     PAPER_INPUT_LENGTHS,
     CostLedger,
@@ -349,11 +350,11 @@ def test_cli_with_configs_and_options(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_schedules_and_mismatched_heads(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--full-steps 20 is outside"):
         _run(["--full-steps", "20"], capsys)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="need --continuation >= 2"):
         _run(["--continuation", "1"], capsys)
     head_config = tmp_path / "head.json"
     head_config.write_text(json.dumps({"hidden_size": 32}))
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="the head reads hidden size 32"):
         _run(["--head-config", str(head_config)], capsys)

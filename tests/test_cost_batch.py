@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from oda_hf.cli_common import UsageError
+
 from oda_hf.cost import (
     HARDWARE,
     BatchCostModel,
@@ -236,13 +238,13 @@ def test_cli_continuous_batching_and_mode(capsys):
 
 
 def test_cli_batch_rejects_bad_combinations(capsys):
-    with pytest.raises(SystemExit):
-        _run(["--batch", "4"], capsys)  # no --history
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--batch needs --history"):
+        _run(["--batch", "4"], capsys)
+    with pytest.raises(UsageError, match="either --histories"):
         _run(["--batch", "4", "--history", "100", "--histories", "5,6"], capsys)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="probabilities"):
         _run(["--batch", "4", "--history", "100", "--rate", "2"], capsys)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match=">= 1"):
         _run(["--batch", "0", "--history", "100"], capsys)
 
 

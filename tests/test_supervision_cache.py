@@ -14,6 +14,8 @@ import torch
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.training import OdaTrainer, OdaTrainingArguments, PackedDataset, pack_documents, paired_supervision
+from oda_hf.cli_common import UsageError
+from oda_hf.training import cache_cli
 from oda_hf.training import supervision_cache as sc
 from oda_hf.training.data import OdaDataCollator
 from tiny_models import VOCAB, tiny_model
@@ -140,7 +142,7 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path):
                             for n in (20, 3, 17, 25)))
     parser = argparse.ArgumentParser()
     subparsers = parser.add_subparsers(dest="command")
-    sc.add_cli(subparsers)
+    cache_cli.add_cli(subparsers)
     training_cli.add_cli(subparsers)
     cache_cmd = ["cache-supervision", "--base", str(base_dir), "--data", str(data), "--output", str(tmp_path / "c"),
                  "--sinks", "2", "--window", "3", "--seq-len", "32", "--rows-per-shard", "1", "--dtype", "float32"]
@@ -155,9 +157,9 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path):
     assert run.func(run) == 0
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "head"))
     assert model.oda_config.window == 3 and model.oda_config.sinks == 2 and model.recall_head.config.tau_hist == 0.001
-    with pytest.raises(SystemExit, match="--window 5.*cache.*3"):
+    with pytest.raises(UsageError, match="--window 5.*cache.*3"):
         run = parser.parse_args(train + ["--window", "5"])
         run.func(run)
-    with pytest.raises(SystemExit, match="exactly one of --data .* or --from-cache"):
+    with pytest.raises(UsageError, match="exactly one of --data .* or --from-cache"):
         run = parser.parse_args(train[:3] + ["--output", str(tmp_path / "x")])
         run.func(run)

@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf.cli_common import UsageError
 from oda_hf.training import (
     HeadTrainingModule,
     OdaTrainer,
@@ -368,7 +369,7 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
         ["checkpoint-1", "checkpoint-2"]
     threads = torch.get_num_threads()
     try:
-        with pytest.raises(SystemExit, match="--threads must be >= 1"):
+        with pytest.raises(UsageError, match="--threads must be >= 1"):
             bad = parser.parse_args(common + ["--max-steps", "3", "--resume", "--threads", "0"])
             bad.func(bad)
         args = parser.parse_args(common + ["--max-steps", "3", "--resume", "--threads", "1"])

@@ -68,3 +68,17 @@ def left_padded_prompts(batch: int = 2, length: int = 9, pads=(3, 0), seed: int 
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     return ids, mask
+
+
+def save_with_word_tokenizer(model, folder) -> None:
+    """Save `model` with a word-level tokenizer over its vocabulary ("w3" .. "w96", specials 0-2, no chat
+    template), so CLI tests can load both from one folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(folder)

@@ -26,12 +26,10 @@ resumes where it stopped.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 from .report import summarize
@@ -191,92 +189,3 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-# -- command line ------------------------------------------------------------------------------------
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "calibrate", help="choose the head's threshold on dev prompts (Full-call budget or score tolerance)",
-        description="Greedy generation on dev prompts at several thresholds; saves the chosen threshold in the "
-                    "head folder's oda_config.json and the sweep in calibration.json (resumable).")
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
-    parser.add_argument("--head", required=True, help="recall head folder (the threshold is written into it)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's)")
-    parser.add_argument("--dtype", default="float32", help="base model dtype (default float32)")
-    parser.add_argument("--data", required=True, help="dev prompts: JSONL of {id, task, prompt, answers, max_new_tokens}")
-    parser.add_argument("--test-data", default=None, help="test prompts (same format): report the realised rate there")
-    rule = parser.add_mutually_exclusive_group(required=True)
-    rule.add_argument("--target-rate", type=float, default=None,
-                      help="Full-call budget: the highest pooled dev rate not above this fraction (e.g. 0.25)")
-    rule.add_argument("--within-full", type=float, default=None,
-                      help="lowest pooled rate whose dev macro score is within this many points of Full")
-    parser.add_argument("--grid", nargs="+", type=float, default=list(DEFAULT_GRID), help="thresholds to run first")
-    parser.add_argument("--refine-steps", type=int, default=4, help="bisection runs after the grid (--target-rate)")
-    parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
-    parser.add_argument("--limit", type=int, default=None, help="first N examples per task")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="output cap (default: the suite's)")
-    parser.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
-    parser.add_argument("--out", required=True, help="output folder (records, calibration.json)")
-    parser.add_argument("--no-write", action="store_true", help="do not write the threshold into the head folder")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=run_cli)
-    return parser
-
-
-def run_cli(args) -> int:
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..modeling import OdaForCausalLM
-    from .suites import load_examples
-
-    if args.target_rate is not None:
-        try:
-            _check_rate(args.target_rate)
-        except ValueError as err:
-            raise SystemExit(f"--target-rate: {err}") from err
-    if not args.no_write and not os.path.isdir(args.head):
-        raise SystemExit(f"--head {args.head} is not a local folder: the threshold is written into it. Download the "
-                         "head to a folder, or pass --no-write.")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
-        torch.set_num_threads(args.threads)
-    select = dict(default_max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
-    dev = load_examples(args.data, **select)
-    test = load_examples(args.test_data, **select) if args.test_data else None
-    routing = {key: getattr(args, key) for key in ("sinks", "window") if getattr(args, key) is not None}
-    model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=getattr(torch, args.dtype),
-                                           policy="head", **routing)
-    model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
-    provenance = {"dev_data": os.path.basename(args.data), "dev_sha256": file_sha256(args.data),
-                  "sinks": model.oda_config.sinks, "window": model.oda_config.window,
-                  "chat_template": args.chat_template}
-    if args.test_data:
-        provenance.update(test_data=os.path.basename(args.test_data), test_sha256=file_sha256(args.test_data))
-    try:
-        result = calibrate(model, tokenizer, dev, args.out, target_rate=args.target_rate, within_full=args.within_full,
-                           grid=args.grid, refine_steps=args.refine_steps, chat_template=args.chat_template,
-                           test_examples=test, provenance=provenance, progress=not args.no_progress)
-    except ValueError as err:
-        raise SystemExit(str(err)) from err
-    for s in result["sweep"]:
-        print(f"  theta={s['threshold']:<9g} dev pooled Full-call rate {s['pooled_full_call_rate']:.1%}  "
-              f"macro {s['macro_score']:.1f}  ({s['stage']})", file=sys.stderr)
-    chosen = result["chosen"]
-    print(f"[oda] chosen theta={chosen['threshold']:g}: dev rate {chosen['pooled_full_call_rate']:.1%}, dev macro "
-          f"{chosen['macro_score']:.1f}", file=sys.stderr)
-    if "test" in result:
-        test_result = result["test"]
-        print(f"[oda] test ({test_result['examples']} prompts): realised pooled Full-call rate "
-              f"{test_result['pooled_full_call_rate']:.1%}, macro {test_result['macro_score']:.1f}", file=sys.stderr)
-    if not args.no_write:
-        path = save_calibration(args.head, model.oda_config, result)
-        print(f"[oda] threshold written to {path}", file=sys.stderr)
-    return 0

@@ -11,6 +11,9 @@ import argparse
 import os
 import sys
 
+from ..cli_common import (UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype,
+                          user_input)
+
 RESULTS_FILE = "results.jsonl"
 MANIFEST_FILE = "manifest.json"
 POSITIONS_FILE = "positions.jsonl"
@@ -92,7 +95,8 @@ def _model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. the current token")
-    parser.add_argument("--dtype", default="float32", help="base model dtype (default float32)")
+    parser.add_argument("--dtype", type=dtype_name, default="float32",
+                        help="base model dtype: float32|fp32, bfloat16|bf16, float16|fp16 or auto (default float32)")
 
 
 def _policy_word(text: str) -> str:
@@ -104,20 +108,25 @@ def _policy_word(text: str) -> str:
 
 
 def _load(args, threshold: float | None = None):
-    import torch
-    from transformers import AutoTokenizer
-
     from ..modeling import OdaForCausalLM
 
     if not args.base:
-        raise SystemExit("--base is required (unless --report-only).")
+        raise UsageError("--base is required (unless --report-only).")
+    # The tokenizer first: it is quick, and a missing chat template should not wait for the model.
+    tokenizer = load_tokenizer(args.tokenizer, args.base)
+    if getattr(args, "chat_template", False) and getattr(tokenizer, "chat_template", None) is None:
+        raise UsageError(f"--chat-template: the tokenizer of {args.tokenizer or args.base} has no chat template; "
+                         "drop --chat-template or give --tokenizer with one that has a template.")
     routing = {key: getattr(args, key) for key in ("sinks", "window") if getattr(args, key) is not None}
     if threshold is not None:
         routing["threshold"] = threshold
     routing["policy"] = "head" if args.head else "local"
-    model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=getattr(torch, args.dtype), **routing)
+    require_model_source("--base", args.base)
+    require_model_source("--head", args.head)
+    with user_input("loading the model (--base/--head)",
+                    "give a local folder written by save_pretrained or a hub id available offline"):
+        model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=torch_dtype(args.dtype), **routing)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
     return model, tokenizer
 
 
@@ -140,13 +149,13 @@ def build_policies(words, thresholds, seeds) -> list:
             try:
                 specs += [runner.random_fixed(float(rest), s) for s in seeds]
             except ValueError as err:
-                raise SystemExit(f"bad policy {word!r}: {err} (use random:P with 0 <= P <= 1)") from err
+                raise UsageError(f"bad policy {word!r}: {err} (use random:P with 0 <= P <= 1)") from err
         elif kind == "schedule":
             k, _, period = rest.partition(":")
             try:
                 specs.append(runner.schedule(int(k), int(period)))
             except ValueError as err:
-                raise SystemExit(f"bad schedule {word!r}: {err} (use schedule:K:PERIOD)") from err
+                raise UsageError(f"bad schedule {word!r}: {err} (use schedule:K:PERIOD)") from err
     names = [s.name for s in specs]
     return [s for i, s in enumerate(specs) if s.name not in names[:i]]  # drop repeats
 
@@ -159,32 +168,35 @@ def run_eval(args) -> int:
     results_path = os.path.join(out, RESULTS_FILE)
     if args.report_only:
         if not os.path.exists(results_path):
-            raise SystemExit(f"--report-only: {results_path} does not exist.")
+            raise UsageError(f"--report-only: {results_path} does not exist; run without --report-only first.")
         records = list(runner.ResultsFile(results_path, repair=False).records.values())
         paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
         print("\n".join(f"[oda eval] wrote {p}" for p in paths.values()), file=sys.stderr)
         return 0
     if not args.data:
-        raise SystemExit("--data is required (unless --report-only).")
+        raise UsageError("--data is required (unless --report-only).")
+    require_paths("--data", args.data)
     model, tokenizer = _load(args)
     thresholds = list(runner.PAPER_THRESHOLDS) if args.paper_sweep else \
         (args.thresholds if args.thresholds is not None else [model.oda_config.threshold])
     policies = build_policies(args.policies, thresholds, args.seeds)
     if any(p.kind == "oda" for p in policies) and model.recall_head is None:
-        raise SystemExit("ODA policies need --head (or evaluate only full/local/random:P/schedule policies).")
-    if args.suite == "jsonl":
-        examples = []
-        for path in args.data:
-            examples += suites.load_examples(path, default_max_new_tokens=args.max_new_tokens)
-        examples = suites.select_examples(examples, args.tasks, args.limit)
-        if args.max_new_tokens is not None:
-            for example in examples:
-                example.max_new_tokens = args.max_new_tokens
-    elif args.suite == "ruler":
-        examples = suites.load_ruler(args.data, max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
-    else:
-        examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
-                                         max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
+        raise UsageError("ODA policies need --head (or evaluate only full/local/random:P/schedule policies).")
+    with user_input("--data"):
+        if args.suite == "jsonl":
+            examples = []
+            for path in args.data:
+                examples += suites.load_examples(path, default_max_new_tokens=args.max_new_tokens)
+            examples = suites.select_examples(examples, args.tasks, args.limit)
+            if args.max_new_tokens is not None:
+                for example in examples:
+                    example.max_new_tokens = args.max_new_tokens
+        elif args.suite == "ruler":
+            examples = suites.load_ruler(args.data, max_new_tokens=args.max_new_tokens, tasks=args.tasks,
+                                         limit=args.limit)
+        else:
+            examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
+                                             max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
     records = runner.evaluate(model, tokenizer, examples, policies, results_path, chat_template=args.chat_template,
                               progress=not args.no_progress, share_prefill=not args.separate_prefills,
                               manifest_path=os.path.join(out, MANIFEST_FILE),
@@ -217,15 +229,17 @@ def run_diagnose(args) -> int:
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:
         if not os.path.exists(positions_path):
-            raise SystemExit(f"--report-only: {positions_path} does not exist.")
+            raise UsageError(f"--report-only: {positions_path} does not exist; run without --report-only first.")
         records = diagnostics.load_positions(positions_path)
     else:
         if not args.data:
-            raise SystemExit("--data is required (unless --report-only).")
+            raise UsageError("--data is required (unless --report-only).")
+        require_paths("--data", args.data)
+        if args.history == "selected" and not args.head:
+            raise UsageError("--history selected commits the head's choice: give --head, or use --history full.")
         model, tokenizer = _load(args, threshold=args.threshold)
-        if args.history == "selected" and model.recall_head is None:
-            raise SystemExit("--history selected commits the head's choice: give --head, or use --history full.")
-        documents = diagnostics.load_reference_sequences(args.data, tokenizer)
+        with user_input("--data"):
+            documents = diagnostics.load_reference_sequences(args.data, tokenizer)
         records = diagnostics.collect_reference_gains(model, documents, output_path=positions_path,
                                                       history=args.history, count=args.positions,
                                                       progress=not args.no_progress)

@@ -8,14 +8,12 @@ ODA answer (tokens coloured Local / Full as in the paper's Figure 3) to HTML and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from importlib import resources
 
-import torch
-
+from ..cli_common import UsageError
 from .corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB, OrganismCorpus
 from .metrics import example_score
 
@@ -30,6 +28,16 @@ def shipped_organism_dir() -> str:
     return str(resources.files("oda_hf.organism").joinpath("assets"))
 
 
+def organism_problem(path: str) -> str | None:
+    """Why `path` is not an organism folder (with ``backbone/`` and ``head/``), or None if it is one."""
+    missing = [p for p in (os.path.join(path, "backbone"), os.path.join(path, "head")) if not os.path.isdir(p)]
+    if not missing:
+        return None
+    return (f"No model organism at {path} (missing {', '.join(missing)}). Train one with "
+            "`python -m oda_hf.organism.train_backbone` and `python -m oda_hf.organism.train_head`, or pass "
+            "--organism <folder with backbone/ and head/>.")
+
+
 def load_organism(path: str | None = None, threshold: float | None = None):
     """The organism as ``(OdaForCausalLM, tokenizer, info)``, loaded from local files only.
     `threshold` None keeps the head's saved routing threshold."""
@@ -39,13 +47,9 @@ def load_organism(path: str | None = None, threshold: float | None = None):
 
     path = path or shipped_organism_dir()
     backbone, head = os.path.join(path, "backbone"), os.path.join(path, "head")
-    missing = [p for p in (backbone, head) if not os.path.isdir(p)]
-    if missing:
-        raise FileNotFoundError(
-            f"No model organism at {path} (missing {', '.join(missing)}). Train one with "
-            "`python -m oda_hf.organism.train_backbone` and `python -m oda_hf.organism.train_head`, or pass "
-            "--organism <folder with backbone/ and head/>."
-        )
+    problem = organism_problem(path)
+    if problem:
+        raise FileNotFoundError(problem)
     routing = {} if threshold is None else {"threshold": threshold}
     model = OdaForCausalLM.from_pretrained(backbone, head=head, local_files_only=True,
                                            head_kwargs={"local_files_only": True}, **routing)
@@ -62,6 +66,8 @@ def _words(ids) -> list[str]:
 def run_demo(organism: str | None = None, output: str = "oda_demo", prompts=DEMO_PROMPTS, threshold: float | None = None,
              verbose: bool = True) -> dict:
     """Answer `prompts` with each method; returns scores, ODA's rate and the trajectory file paths."""
+    import torch
+
     start = time.perf_counter()
     model, _, info = load_organism(organism, threshold)
     corpus = OrganismCorpus(seed=info.get("seed", 0), window=model.oda_config.window)
@@ -134,20 +140,24 @@ def add_cli(subparsers) -> None:
 
 
 def _run_demo_command(args) -> int:
+    import torch
+
     torch.set_num_threads(args.threads)
     prompts = DEMO_PROMPTS
     if args.tasks:
         wanted = args.tasks.split(",")
         unknown = sorted(set(wanted) - {task for task, _ in DEMO_PROMPTS})
         if unknown:
-            raise SystemExit(f"unknown demo tasks {unknown}; choose from {[task for task, _ in DEMO_PROMPTS]}")
+            raise UsageError(f"--tasks: unknown demo tasks {unknown}; choose from {[task for task, _ in DEMO_PROMPTS]}")
         prompts = tuple(p for p in DEMO_PROMPTS if p[0] in wanted)
+    problem = organism_problem(args.organism) if args.organism else None
+    if problem:
+        raise UsageError(f"--organism: {problem}")
     run_demo(args.organism, args.output, prompts=prompts, threshold=args.threshold)
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="oda demo")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["demo", *(argv or [])])
-    return args.func(args)
+    from ..cli import main as oda_main
+
+    return oda_main(["demo", *(argv or [])])

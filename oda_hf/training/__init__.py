@@ -10,41 +10,53 @@ Module map:
 * `trainer`   - `OdaTrainer` / `OdaTrainingArguments` (head-only atomic checkpoints, checked resume, DDP);
 * `data`      - documents -> packed rows -> padded batches; `cli` - ``oda train-head``;
 * `supervision_cache` - paired supervision computed once into safetensors shards, `OdaCacheTrainer` over it.
+
+Public names load on first use (see `oda_hf._lazy`).
 """
 
-from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
-from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
-from .losses import microbatch_loss, regression_target, signed_log, token_losses
-from .paired import PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states, target_logprobs
-from .supervision_cache import OdaCacheTrainer, SupervisionCache, SupervisionCacheDataset, cache_supervision
-from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "HeadTrainingModule",
-    "OdaCacheTrainer",
-    "OdaDataCollator",
-    "OdaTrainer",
-    "OdaTrainingArguments",
-    "PackedDataset",
-    "PairedBatch",
-    "PairedStreams",
-    "SequenceLayout",
-    "SupervisionCache",
-    "SupervisionCacheDataset",
-    "build_layout",
-    "cache_supervision",
-    "count_eligible",
-    "last_complete_checkpoint",
-    "microbatch_loss",
-    "min_document_length",
-    "pack_documents",
-    "paired_streams",
-    "paired_supervision",
-    "preceding_states",
-    "read_documents",
-    "regression_target",
-    "shift_within_segments",
-    "signed_log",
-    "target_logprobs",
-    "token_losses",
-]
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "OdaDataCollator": ".data",
+    "PackedDataset": ".data",
+    "min_document_length": ".data",
+    "pack_documents": ".data",
+    "read_documents": ".data",
+    "SequenceLayout": ".layout",
+    "build_layout": ".layout",
+    "count_eligible": ".layout",
+    "shift_within_segments": ".layout",
+    "microbatch_loss": ".losses",
+    "regression_target": ".losses",
+    "signed_log": ".losses",
+    "token_losses": ".losses",
+    "PairedBatch": ".paired",
+    "PairedStreams": ".paired",
+    "paired_streams": ".paired",
+    "paired_supervision": ".paired",
+    "preceding_states": ".paired",
+    "target_logprobs": ".paired",
+    "HeadTrainingModule": ".trainer",
+    "OdaTrainer": ".trainer",
+    "OdaTrainingArguments": ".trainer",
+    "OdaCacheTrainer": ".supervision_cache",
+    "SupervisionCache": ".supervision_cache",
+    "SupervisionCacheDataset": ".supervision_cache",
+    "cache_supervision": ".supervision_cache",
+    "last_complete_checkpoint": ".trainer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
+    from .layout import SequenceLayout, build_layout, count_eligible, shift_within_segments
+    from .losses import microbatch_loss, regression_target, signed_log, token_losses
+    from .paired import (PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states,
+                         target_logprobs)
+    from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+    from .supervision_cache import OdaCacheTrainer, SupervisionCache, SupervisionCacheDataset, cache_supervision
+    from .trainer import last_complete_checkpoint
+
+__all__ = sorted(_EXPORTS)

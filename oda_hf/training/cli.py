@@ -1,12 +1,12 @@
 """``oda train-head``: train a recall head for a base model on token or text data.
 
-    oda train-head --base Qwen/Qwen3-1.7B --data corpus.jsonl --tokenizer Qwen/Qwen3-1.7B --output heads/qwen3 \
+    oda train-head --base Qwen/Qwen3-1.7B --data corpus.jsonl --output heads/qwen3 \
         --window 2048 --seq-len 8192 --max-steps 2000 --save-steps 200 [--resume]
 
 `add_cli(subparsers)` registers the subcommand; `run_cli(args)` runs it. Data: a JSON-lines file of
-``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (text needs
-``--tokenizer``), or a ``datasets.save_to_disk`` folder with one of those columns. Documents are packed
-into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
+``{"input_ids": [...]}`` (optionally ``"labels"``) or ``{"text": ...}`` records (tokenized with
+``--tokenizer``, default ``--base``'s), or a ``datasets.save_to_disk`` folder with one of those columns.
+Documents are packed into rows of ``--seq-len`` tokens (`oda_hf.training.data`). Checkpoints (every ``--save-steps``
 updates) and the final result in ``--output`` hold only the head and its routing defaults.
 With ``--from-cache CACHE`` (written by ``oda cache-supervision``) the head trains on stored
 supervision instead (`supervision_cache.py`), e.g. ``--epochs 20``; s, w and tau_hist are the cache's.
@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
+                          user_input)
+
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train-head", help="train a recall head on paired supervision (head-only checkpoints)",
@@ -28,7 +31,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         help="train on a supervision cache from `oda cache-supervision` instead of --data (no backbone "
                              "pass per update; s, w and tau_hist come from the cache)")
     parser.add_argument("--output", required=True, help="output folder (checkpoints and the final head)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer id or folder for text records (default: --base's, if it has one)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token (default 2048)")
     parser.add_argument("--lambda", dest="oda_lambda", type=float, default=0.0, help="Full-call penalty lambda (default 0)")
@@ -48,7 +52,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
     parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
     parser.add_argument("--input-variant", default=None, help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
-    parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
+    parser.add_argument("--dtype", type=dtype_name, default="auto",
+                        help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
@@ -62,7 +67,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, set_seed
 
     from ..config import OdaConfig
     from ..head import RecallHead, RecallHeadConfig
@@ -71,46 +76,52 @@ def run_cli(args) -> int:
     from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
     cache = _data_source(args)  # fills in sinks / window / tau_hist (from the cache if training from one)
-    OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    with user_input("--sinks/--window"):
+        OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    if cache is None:
+        require_paths("--data", args.data)
     min_length = min_document_length(args.sinks, args.window)
     if cache is None and args.seq_len < min_length:
-        raise SystemExit(f"--seq-len {args.seq_len} is shorter than s + w + 2 = {min_length} tokens, the shortest row "
+        raise UsageError(f"--seq-len {args.seq_len} is shorter than s + w + 2 = {min_length} tokens, the shortest row "
                          f"with an eligible position: use --seq-len >= {min_length} or a smaller --window/--sinks.")
     if args.threads is not None:
         if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
+            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     set_seed(args.seed)
     checkpoint = None
     if args.resume:
         checkpoint = last_complete_checkpoint(args.output)
         if checkpoint is None:
-            raise SystemExit(f"--resume: no complete checkpoint-* folder in {args.output}.")
+            raise UsageError(f"--resume: no complete checkpoint-* folder in {args.output}; run without --resume to start.")
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+    tokenizer = data_tokenizer(args.tokenizer, args.base) if cache is None else None
     if cache is not None:
         rows = None
         print(f"[oda] supervision cache {args.from_cache}: {len(cache)} rows, {cache.num_positions} eligible "
               f"positions, s={args.sinks} w={args.window} tau_hist={args.tau_hist}", file=sys.stderr)
     else:
-        rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
+        with user_input("--data"):
+            rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
         print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
               f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
               f"{min_length} tokens dropped (no eligible position).", file=sys.stderr)
         if stats.documents == 0:
-            raise SystemExit(f"No training document in {args.data}: it is empty (or holds only blank lines).")
+            raise UsageError(f"No training document in {args.data}: it is empty (or holds only blank lines).")
         if not rows:
-            raise SystemExit(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use "
+            raise UsageError(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use "
                              "longer documents or a smaller --window.")
 
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
+    require_model_source("--base", args.base)
+    with user_input("--base", "give a local model folder or a hub id available offline"):
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype),
+                                                    attn_implementation="sdpa")
     if checkpoint is not None:
         head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights are reloaded on resume
         for option, key in (("--head-width", "head_width"), ("--input-variant", "input_variant")):
             asked, trained = getattr(args, key), getattr(head.config, key)
             if asked is not None and asked != trained:
-                raise SystemExit(f"--resume: {checkpoint} holds a head with {key}={trained!r}, but {option} asks for "
+                raise UsageError(f"--resume: {checkpoint} holds a head with {key}={trained!r}, but {option} asks for "
                                  f"{asked!r}. Drop {option} to resume it, or start a new --output.")
     else:
         head = RecallHead(RecallHeadConfig.for_base(base, head_width=args.head_width,
@@ -153,7 +164,7 @@ def _data_source(args):
     with it are an error, absent flags take the cache's values.
     """
     if (args.data is None) == (args.from_cache is None):
-        raise SystemExit("Give the training data as exactly one of --data (token or text records) or --from-cache "
+        raise UsageError("Give the training data as exactly one of --data (token or text records) or --from-cache "
                          "(a folder written by `oda cache-supervision`).")
     if args.from_cache is None:
         for key, value in SETTING_DEFAULTS.items():
@@ -165,12 +176,12 @@ def _data_source(args):
     try:
         cache = SupervisionCache(args.from_cache)
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(str(err)) from err
+        raise UsageError(str(err)) from err
     for key in SETTING_DEFAULTS:
         given, cached = getattr(args, key), cache.manifest[key]
         if given is not None and given != cached:
             flag = "--" + key.replace("_", "-")
-            raise SystemExit(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w and "
+            raise UsageError(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w and "
                              f"tau_hist. Drop {flag} or cache again with the new value.")
         setattr(args, key, cached)
     return cache

@@ -34,13 +34,10 @@ microbatch, recomputation pads them into one backbone pass that rounds different
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import hashlib
 import json
 import os
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -342,59 +339,3 @@ class OdaCacheTrainer(OdaTrainer):
 
 
 # -- command line ------------------------------------------------------------------------------------
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "cache-supervision", help="run the frozen backbone once per training row and store the head's supervision",
-        description="Paired supervision (H after tau_hist, E, L, gains) of every packed row, at eligible positions, "
-                    "into safetensors shards + manifest.json (resumable: a rerun skips finished shards). Train "
-                    "from it with `oda train-head --from-cache`.")
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
-    parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
-    parser.add_argument("--output", required=True, help="cache folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
-    parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
-    parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
-    parser.add_argument("--tau-hist", type=float, default=0.001, help="history threshold tau_hist (default 0.001)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed row (default 8192)")
-    parser.add_argument("--rows-per-shard", type=int, default=16, help="packed rows per shard file (default 16)")
-    parser.add_argument("--storage-dtype", choices=sorted(STORAGE_DTYPES), default="float32",
-                        help="dtype of H/E/L on disk (default float32; bf16/fp16 halve the size but training then "
-                             "differs from recomputation)")
-    parser.add_argument("--dtype", default="auto", help="backbone dtype: auto (checkpoint's), bfloat16, float32, ...")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.set_defaults(func=run_cli)
-    return parser
-
-
-def run_cli(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..config import OdaConfig
-    from .data import min_document_length, pack_documents, read_documents
-
-    OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}.")
-        torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
-                                 min_length=min_document_length(args.sinks, args.window))
-    if not rows:
-        raise SystemExit(f"No training row: every document is shorter than s + w + 2 = "
-                         f"{min_document_length(args.sinks, args.window)} tokens. Use longer documents or a smaller --window.")
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype, attn_implementation="sdpa")
-    model = OdaForCausalLM(base, None, OdaConfig(sinks=args.sinks, window=args.window, policy="local"))
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
-        base.config.get_text_config(decoder=True).pad_token_id
-    started = time.perf_counter()
-    cache = cache_supervision(model, rows, args.output, sinks=args.sinks, window=args.window, tau_hist=args.tau_hist,
-                              seq_len=args.seq_len, rows_per_shard=args.rows_per_shard, dtype=args.storage_dtype,
-                              pad_token_id=pad if pad is not None else 0, base_name=args.base)
-    print(f"[oda] {len(cache)} rows, {cache.num_positions} eligible positions, {cache.num_bytes / 1e6:.1f} MB "
-          f"({cache.bytes_per_1k_positions() / 1e6:.2f} MB per 1K positions) in {args.output} "
-          f"[{time.perf_counter() - started:.1f} s this run]", file=sys.stderr)
-    return 0

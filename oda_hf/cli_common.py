@@ -1,0 +1,105 @@
+"""Plumbing shared by every `oda` subcommand: user errors and argument types.
+
+Kept free of torch/transformers imports so that building the parser (``oda --help``) stays fast.
+A subcommand raises `UsageError` for anything the user can fix; `oda_hf.cli.main` prints it as one
+line, ``oda <command>: error: <message>``, and exits with status 2, as argparse does for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+#: Accepted ``--dtype`` spellings -> the torch attribute name ("auto" keeps the checkpoint's dtype).
+DTYPE_NAMES = {
+    "auto": "auto",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+class UsageError(Exception):
+    """A command-line mistake the user can fix; the message says what is wrong and what to do."""
+
+
+def dtype_name(text: str) -> str:
+    """argparse type for ``--dtype``: a canonical name from `DTYPE_NAMES` (torch is not imported here)."""
+    name = DTYPE_NAMES.get(text.strip().lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; use one of {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def torch_dtype(name: str):
+    """The ``dtype=`` value for `from_pretrained` from a `dtype_name` result."""
+    if name == "auto":
+        return "auto"
+    import torch
+
+    return getattr(torch, name)
+
+
+def require_paths(flag: str, paths: str | Sequence[str] | None) -> None:
+    """Fail before any model loads if a local input named by `flag` does not exist."""
+    for path in [paths] if isinstance(paths, str) else (paths or []):
+        if not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: no such file or directory.")
+
+
+def require_model_source(flag: str, name: str | None) -> None:
+    """A `name` written as a local path (absolute, ``./``, ``../``, ``~``) must exist; otherwise transformers
+    reports it as a malformed hub id. Hub ids (``org/name``) pass through."""
+    if name and (os.path.isabs(name) or name.startswith((".", "~"))) and not os.path.exists(os.path.expanduser(name)):
+        raise UsageError(f"{flag} {name}: no such folder; give a local folder or a hub id.")
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors can span many lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+@contextmanager
+def user_input(what: str, fix: str | None = None) -> Iterator[None]:
+    """Report errors raised while reading a user-named input (a file, a model folder or id) as `UsageError`.
+
+    Only wrap the code that reads that input: missing or unreadable files (`OSError`) and malformed
+    content (`ValueError`) become ``"<what>: <first line of the error>[ (<fix>)]"``.
+    """
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{what}: {first_line(err)}" + (f" ({fix})" if fix else "")) from err
+
+
+def load_tokenizer(tokenizer: str | None, base: str):
+    """The ``--tokenizer`` given, else ``--base``'s tokenizer, refusing an empty one: for a model folder without
+    tokenizer files transformers builds a tokenizer with no vocabulary, which turns every text into <= 1 token."""
+    from transformers import AutoTokenizer
+
+    name, flag = (tokenizer, "--tokenizer") if tokenizer else (base, "--base (its tokenizer)")
+
+    require_model_source(flag, name)
+    with user_input(flag, "give --tokenizer with a tokenizer folder or hub id"):
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    if len(tokenizer) <= 1:
+        raise UsageError(f"{flag}: {name} holds no tokenizer (its vocabulary is empty); give --tokenizer with a "
+                         "tokenizer folder or hub id.")
+    return tokenizer
+
+
+def data_tokenizer(tokenizer: str | None, base: str):
+    """Tokenizer for training records: `tokenizer`, else `base`'s own. Token-id data needs none, so a base folder
+    without tokenizer files is fine (None) until a text record asks for one (its error names --tokenizer)."""
+    if tokenizer:
+        return load_tokenizer(tokenizer, base)
+    try:
+        return load_tokenizer(None, base)
+    except UsageError as err:
+        print(f"[oda] no tokenizer from {err}; token-id records need none, text records need --tokenizer.",
+              file=sys.stderr)
+        return None

@@ -1,0 +1,78 @@
+"""``oda cache-supervision``: paired supervision computed once into shards (`supervision_cache`).
+
+Kept apart from `supervision_cache` so that building the ``oda`` parser imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
+                          user_input)
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "cache-supervision", help="run the frozen backbone once per training row and store the head's supervision",
+        description="Paired supervision (H after tau_hist, E, L, gains) of every packed row, at eligible positions, "
+                    "into safetensors shards + manifest.json (resumable: a rerun skips finished shards). Train "
+                    "from it with `oda train-head --from-cache`.")
+    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
+    parser.add_argument("--output", required=True, help="cache folder")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
+    parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
+    parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
+    parser.add_argument("--tau-hist", type=float, default=0.001, help="history threshold tau_hist (default 0.001)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed row (default 8192)")
+    parser.add_argument("--rows-per-shard", type=int, default=16, help="packed rows per shard file (default 16)")
+    parser.add_argument("--storage-dtype", choices=("bfloat16", "float16", "float32"), default="float32",
+                        help="dtype of H/E/L on disk (default float32; bf16/fp16 halve the size but training then "
+                             "differs from recomputation)")
+    parser.add_argument("--dtype", type=dtype_name, default="auto",
+                        help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def run_cli(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..config import OdaConfig
+    from ..modeling import OdaForCausalLM
+    from .data import min_document_length, pack_documents, read_documents
+    from .supervision_cache import cache_supervision
+
+    with user_input("--sinks/--window"):
+        OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
+    require_paths("--data", args.data)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    tokenizer = data_tokenizer(args.tokenizer, args.base)
+    with user_input("--data"):
+        rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len,
+                                     min_length=min_document_length(args.sinks, args.window))
+    if not rows:
+        raise UsageError(f"No training row: every document is shorter than s + w + 2 = "
+                         f"{min_document_length(args.sinks, args.window)} tokens. Use longer documents or a smaller --window.")
+    require_model_source("--base", args.base)
+    with user_input("--base", "give a local model folder or a hub id available offline"):
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype),
+                                                    attn_implementation="sdpa")
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=args.sinks, window=args.window, policy="local"))
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
+        base.config.get_text_config(decoder=True).pad_token_id
+    started = time.perf_counter()
+    cache = cache_supervision(model, rows, args.output, sinks=args.sinks, window=args.window, tau_hist=args.tau_hist,
+                              seq_len=args.seq_len, rows_per_shard=args.rows_per_shard, dtype=args.storage_dtype,
+                              pad_token_id=pad if pad is not None else 0, base_name=args.base)
+    print(f"[oda] {len(cache)} rows, {cache.num_positions} eligible positions, {cache.num_bytes / 1e6:.1f} MB "
+          f"({cache.bytes_per_1k_positions() / 1e6:.2f} MB per 1K positions) in {args.output} "
+          f"[{time.perf_counter() - started:.1f} s this run]", file=sys.stderr)
+    return 0
