@@ -229,16 +229,29 @@ class RecallHead(PreTrainedModel):
 
         folder = resolve_head_folder(pretrained_model_name_or_path, kwargs)
         kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
-        want_info = kwargs.pop("output_loading_info", False)
-        head, info = super().from_pretrained(folder, *args, output_loading_info=True, **kwargs)
-        problems = {kind: sorted(info.get(kind) or []) for kind in ("missing_keys", "mismatched_keys")}
-        problems = {kind: keys for kind, keys in problems.items() if keys}
+        config = kwargs.pop("config", None) or RecallHeadConfig.from_pretrained(folder)
+        cls._check_saved_weights(folder, config)
+        return super().from_pretrained(folder, *args, config=config, **kwargs)
+
+    @classmethod
+    def _check_saved_weights(cls, folder: str, config: RecallHeadConfig) -> None:
+        """Raise unless model.safetensors holds every weight of `config`'s head, in its shape."""
+        from safetensors import safe_open
+        from transformers.utils import SAFE_WEIGHTS_NAME
+
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+        with safe_open(os.path.join(folder, SAFE_WEIGHTS_NAME), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        problems = [f"missing {name}" for name in sorted(set(expected) - set(stored))]
+        problems += [f"{name} is {list(stored[name])}, config.json implies {list(shape)}"
+                     for name, shape in sorted(expected.items()) if name in stored and stored[name] != shape]
         if problems:
+            shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise ValueError(
-                f"The recall head in {folder} is incomplete: {problems}. Its model.safetensors does not match its "
-                "config.json; save the head again."
+                f"The recall head in {folder} is incomplete or inconsistent: {shown}. Its {SAFE_WEIGHTS_NAME} does "
+                "not match its config.json; save the head again."
             )
-        return (head, info) if want_info else head
 
     # -- compatibility with a base model -----------------------------------------------------------
     def check_compatible(self, base_config) -> None:

@@ -425,6 +425,8 @@ class _RecordFinishedRows(StoppingCriteria):
 
 def _config_for_head(head: RecallHead | None) -> OdaConfig:
     """Default routing: the Local geometry the head was trained with, if it records one."""
+    if head is not None and not isinstance(head, RecallHead):
+        raise TypeError(f"head must be a RecallHead, a hub id or a folder; got {type(head).__name__}.")
     trained = {} if head is None else {key: getattr(head.config, key) for key in ("sinks", "window")
                                        if getattr(head.config, key, None) is not None}
     return OdaConfig(**trained)
