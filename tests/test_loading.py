@@ -97,3 +97,12 @@ def test_saving_with_a_policy_object_keeps_the_savable_routing_and_says_what_is_
     reloaded = OdaForCausalLM.from_pretrained(base, head=str(tmp_path))
     assert (reloaded.oda_config.sinks, reloaded.oda_config.window, reloaded.oda_config.threshold) == (3, 8, 0.7)
     assert reloaded.oda_config.policy == "head"
+
+
+def test_shipped_organism_head_records_its_shipped_backbone(caplog):
+    from oda_hf.organism.demo import load_organism
+
+    with caplog.at_level("WARNING"):
+        model, _, _ = load_organism()
+    assert MISMATCH not in caplog.text
+    assert model.recall_head.config.base_fingerprint == base_fingerprint(model.base_model)
