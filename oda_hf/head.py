@@ -304,6 +304,13 @@ class RecallHead(PreTrainedModel):
         return push_saved_to_hub(self, repo_id, **kwargs)
 
 
-# The supported extension API: AutoConfig/AutoModel.from_pretrained(head_folder) know the head once oda_hf is imported.
-AutoConfig.register(RecallHeadConfig.model_type, RecallHeadConfig, exist_ok=True)
-AutoModel.register(RecallHeadConfig, RecallHead, exist_ok=True)
+def register_auto_classes() -> None:
+    """Make AutoConfig/AutoModel.from_pretrained(head_folder) return the recall head (idempotent).
+
+    transformers' supported extension API; `import oda_hf` calls it.
+    """
+    AutoConfig.register(RecallHeadConfig.model_type, RecallHeadConfig, exist_ok=True)
+    AutoModel.register(RecallHeadConfig, RecallHead, exist_ok=True)
+
+
+register_auto_classes()

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import torch
 from transformers import AutoConfig, AutoModel
 
-import oda_hf.head
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
-from oda_hf.head import base_fingerprint
+from oda_hf.head import base_fingerprint, register_auto_classes
 from tiny_models import tiny_model
 
 MISMATCH = "whose weights differ from"
@@ -80,7 +78,7 @@ def test_from_pretrained_of_a_head_folder_loads_the_recorded_base(tmp_path):
 
 def test_auto_classes_know_the_recall_head_and_registration_is_idempotent(tmp_path):
     RecallHead(RecallHeadConfig(hidden_size=32, head_width=8)).save_pretrained(tmp_path)
-    importlib.reload(oda_hf.head)  # registering again must not raise
+    register_auto_classes()  # `import oda_hf` did it once; again must not raise
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.model_type == "oda_recall_head" and config.hidden_size == 32
     assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "RecallHead"
