@@ -37,8 +37,9 @@ class OdaConfig:
     """Local access set and routing rule.
 
     Args:
-        sinks: number of initial (sink) positions Local always reads (``s``, default 4).
-        window: recent window Local reads, *including* the current token (``w``, default 2048).
+        sinks: number of initial (sink) positions Local always reads (``s``, default 4; at most 2**24).
+        window: recent window Local reads, *including* the current token (``w``, default 2048; at most
+            2**24). The Local workspace holds min(s + w, the request's length) positions.
         threshold: the head's decision threshold ``theta``: Full when ``q > theta`` (default 0).
         policy: ``"head"`` (learned), ``"full"``, ``"local"`` (StreamingLLM), or a `RoutingPolicy`
             instance such as ``RandomPolicy(p, seed)`` / ``SchedulePolicy(k, period)``.

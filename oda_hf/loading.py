@@ -21,11 +21,11 @@ _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "A
 
 
 def looks_like_path(name: str) -> bool:
-    """Whether `name` can only be meant as a local path (hub ids are ``name`` or ``owner/name``)."""
-    if name.startswith((".", "/", "~")) or (os.sep != "/" and os.sep in name) or name.count("/") > 1:
-        return True
-    parent = os.path.dirname(name)
-    return bool(parent) and os.path.isdir(parent)  # "runs/head" where ./runs exists
+    """Whether `name` can only be meant as a local path (hub ids are ``name`` or ``owner/name``).
+
+    ``runs/head`` stays ambiguous (a hub id too), even when ``./runs`` exists: the hub decides.
+    """
+    return name.startswith((".", "/", "~")) or (os.sep != "/" and os.sep in name) or name.count("/") > 1
 
 
 def resolve_local_folder(name: str | os.PathLike, what: str, revision: str | None = None) -> str | None:

@@ -185,3 +185,12 @@ def test_unreachable_hub_fails_at_once_naming_the_id(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="The base model 'smolm2' is not a local folder"):
         OdaForCausalLM.from_pretrained("smolm2", policy="full")
     assert time.perf_counter() - start < 10  # the hub client's retries take about a minute
+
+
+def test_owner_slash_name_stays_a_hub_id_even_when_the_owner_folder_exists(tmp_path, monkeypatch):
+    from oda_hf.loading import looks_like_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen").mkdir()
+    assert not looks_like_path("Qwen/Qwen3-1.7B") and not looks_like_path("smollm2")
+    assert looks_like_path("./Qwen/x") and looks_like_path("runs/org/head") and looks_like_path("~/head")
