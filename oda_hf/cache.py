@@ -219,8 +219,8 @@ class OdaGlobalLayer(CacheLayerMixin):
             values = select_rows(select_full, full and full[1], local[1])
         n = self.seq_length
         self._reserve(n + 1)
-        # after this commit: committed positions + the next current slot
-        self._ensure_workspace(int(self.valid_count.max()) + 2)
+        if self.workspace_width < self.sinks + self.window:  # after this commit: positions + the next current slot
+            self._ensure_workspace(int(self.valid_count.max()) + 2)
         self.keys[:, :, n : n + 1] = keys
         self.values[:, :, n : n + 1] = values
         self.seq_length = n + 1

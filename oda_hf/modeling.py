@@ -92,7 +92,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if routing:
             OdaConfig.from_kwargs(**routing)  # bad routing values fail before anything is loaded
         if isinstance(base, (str, os.PathLike)):
-            base, head = _base_of_head_folder(os.fspath(base), head, head_kwargs or {}, kwargs)
+            base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
         if isinstance(head, (str, os.PathLike)):
             name = os.fspath(head)
             head = _load_head(name, head_kwargs or {})
@@ -444,7 +444,7 @@ def _load_head(name: str, head_kwargs: dict) -> RecallHead:
         ) from err
 
 
-def _base_of_head_folder(name: str, head, head_kwargs: dict, base_kwargs: dict):
+def _base_of_head_folder(name: str, head, base_kwargs: dict):
     """``(base, head)``: `name` itself when it is a base model; the base a recall head records when it is a head."""
     model_type, values = read_model_type(name, base_kwargs)
     if model_type != HEAD_MODEL_TYPE:
