@@ -34,6 +34,15 @@ _MODES = (PREFILL, LOCAL, FULL)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "dummy")
 
 
+def workspace_geometry(sinks: int, window: int, max_positions: int) -> tuple[int, int]:
+    """The smallest ``(sinks, window)`` whose Local access sets equal those of ``(sinks, window)`` for
+    every position below `max_positions`: a workspace of ``s + w`` slots never needs more than
+    ``max_positions + 1`` (all positions up to the last one, the current token's slot included).
+    """
+    ws_sinks = min(sinks, max_positions)
+    return ws_sinks, min(window, max(1, max_positions + 1 - ws_sinks))
+
+
 def select_rows(select_full: torch.Tensor | None, full: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
     """Per-row choice between two candidates whose batch dimension is dim 0."""
     if select_full is None or full is None:
@@ -50,9 +59,13 @@ class OdaGlobalLayer(CacheLayerMixin):
       committed (left padding included, as in the stock cache). A committed token is written in
       place rather than concatenated: capacity is preallocated when the final length is known
       (`generate()` knows it) and otherwise doubles when full.
-    * ``ws_keys``/``ws_values``: ``[batch, kv_heads, s + w, head_dim]`` laid out as
+    * ``ws_keys``/``ws_values``: ``[batch, kv_heads, width, head_dim]`` laid out as
       ``[sinks | ring | current]``. The ring slot of 1-based valid position ``p > s`` is
-      ``(p - s - 1) % (w - 1)``; positions keep their original RoPE rotation.
+      ``(p - s - 1) % (w - 1)``; positions keep their original RoPE rotation. ``width`` is
+      ``s + w`` once the history can reach that; before, it is only as wide as the history needs
+      (the request's maximum length when known, else grown geometrically). While ``width < s + w``
+      the ring has not wrapped, so every committed position ``p`` sits in slot ``p`` and the
+      current token in the last slot: exactly the ``s + w`` layout without its unused slots.
     * ``valid_count[b]``: committed non-padding positions of row ``b`` (its logical length).
     """
 
@@ -77,11 +90,31 @@ class OdaGlobalLayer(CacheLayerMixin):
         dv = value_states.shape[-1]
         self.keys = key_states.new_zeros((b, h, self.max_cache_len or 0, dk))
         self.values = value_states.new_zeros((b, h, self.max_cache_len or 0, dv))
-        width = self.sinks + self.window
+        # Committed positions plus the current slot; never more than the request can reach.
+        needed = max(self.max_cache_len or 0, key_states.shape[-2]) + 1
+        width = min(self.sinks + self.window, needed)
         self.ws_keys = key_states.new_zeros((b, h, width, dk))
         self.ws_values = value_states.new_zeros((b, h, width, dv))
         self.valid_count = torch.zeros(b, dtype=torch.long)
         self.is_initialized = True
+
+    @property
+    def workspace_width(self) -> int:
+        return self.ws_keys.shape[-2]
+
+    def _ensure_workspace(self, needed: int) -> None:
+        """Widen the workspace to hold `needed` slots (capped at s + w), keeping the committed positions."""
+        full_width = self.sinks + self.window
+        width = self.workspace_width
+        needed = min(full_width, needed)
+        if needed <= width:
+            return
+        new_width = min(full_width, max(needed, 2 * width))
+        for name in ("ws_keys", "ws_values"):
+            old = getattr(self, name)
+            grown = old.new_zeros((*old.shape[:2], new_width, old.shape[-1]))
+            grown[:, :, : width - 1] = old[:, :, : width - 1]  # no wrap yet: slot p holds position p
+            setattr(self, name, grown)
 
     def _reserve(self, needed: int) -> None:
         capacity = self.keys.shape[-2]
@@ -140,6 +173,7 @@ class OdaGlobalLayer(CacheLayerMixin):
 
     def rebuild_workspace(self, valid_columns: torch.Tensor) -> None:
         """Fill the workspace from the committed history. `valid_columns`: bool ``[batch, seq_length]``."""
+        self._ensure_workspace(int(valid_columns.sum(dim=1).max()) + 1)
         self.ws_keys.zero_()
         self.ws_values.zero_()
         valid_columns = valid_columns.cpu()
@@ -155,14 +189,14 @@ class OdaGlobalLayer(CacheLayerMixin):
             self.valid_count[row] = count
 
     def local_visibility(self) -> torch.Tensor:
-        """bool ``[batch, s + w]``: which workspace slots the current Local query may read."""
-        slots = torch.arange(self.sinks + self.window)
+        """bool ``[batch, width]``: which workspace slots the current Local query may read."""
+        slots = torch.arange(self.workspace_width)
         count = self.valid_count[:, None]
         sink_ok = slots[None, :] < torch.minimum(count, torch.tensor(self.sinks))
         ring_index = slots[None, :] - self.sinks
         ring_filled = (count - self.sinks).clamp(min=0, max=self.window - 1)
         ring_ok = (slots[None, :] >= self.sinks) & (ring_index < ring_filled)
-        current = slots[None, :] == self.sinks + self.window - 1
+        current = slots[None, :] == self.workspace_width - 1
         return sink_ok | ring_ok | current
 
     # -- commit ----------------------------------------------------------------------------------
@@ -185,6 +219,8 @@ class OdaGlobalLayer(CacheLayerMixin):
             values = select_rows(select_full, full and full[1], local[1])
         n = self.seq_length
         self._reserve(n + 1)
+        if self.workspace_width < self.sinks + self.window:  # after this commit: positions + the next current slot
+            self._ensure_workspace(int(self.valid_count.max()) + 2)
         self.keys[:, :, n : n + 1] = keys
         self.values[:, :, n : n + 1] = values
         self.seq_length = n + 1

@@ -7,10 +7,29 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from transformers.utils import logging
+
 from .policies import RoutingPolicy, resolve_policy
+
+logger = logging.get_logger(__name__)
 
 ODA_CONFIG_NAME = "oda_config.json"
 ROUTING_KEYS = ("sinks", "window", "threshold", "policy")
+# 2**24 = 16,777,216 positions: above every released model's context (the longest, 10M tokens), far below
+# where a typo such as window=1e9 starts; the Local workspace is sized by the request, not by this bound.
+MAX_SPAN = 2**24
+
+
+def _check_count(name: str, value, minimum: int, meaning: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"`{name}` must be an integer >= {minimum} ({meaning}); got {value!r}.")
+    value = value.__index__()  # numpy / torch integers become plain ints
+    if not minimum <= value <= MAX_SPAN:
+        raise ValueError(
+            f"`{name}` must be an integer in [{minimum}, {MAX_SPAN}] ({meaning}); got {value!r}. "
+            f"For attention over the whole history use policy='full'."
+        )
+    return value
 
 
 @dataclass
@@ -18,8 +37,9 @@ class OdaConfig:
     """Local access set and routing rule.
 
     Args:
-        sinks: number of initial (sink) positions Local always reads (``s``, default 4).
-        window: recent window Local reads, *including* the current token (``w``, default 2048).
+        sinks: number of initial (sink) positions Local always reads (``s``, default 4; at most 2**24).
+        window: recent window Local reads, *including* the current token (``w``, default 2048; at most
+            2**24). The Local workspace holds min(s + w, the request's length) positions.
         threshold: the head's decision threshold ``theta``: Full when ``q > theta`` (default 0).
         policy: ``"head"`` (learned), ``"full"``, ``"local"`` (StreamingLLM), or a `RoutingPolicy`
             instance such as ``RandomPolicy(p, seed)`` / ``SchedulePolicy(k, period)``.
@@ -34,15 +54,16 @@ class OdaConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
-            raise ValueError(f"`sinks` must be an integer >= 0 (number of initial positions); got {self.sinks!r}.")
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ValueError(
-                f"`window` must be an integer >= 1 (recent positions, current token included); got {self.window!r}."
-            )
-        if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
+        self.sinks = _check_count("sinks", self.sinks, 0, "number of initial positions")
+        self.window = _check_count("window", self.window, 1, "recent positions, current token included")
+        if (isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float))
+                or not math.isfinite(self.threshold)):
             raise ValueError(f"`threshold` must be a finite number; got {self.threshold!r}.")
         self.threshold = float(self.threshold)
+        if not isinstance(self.policy, (str, RoutingPolicy)):
+            raise ValueError(
+                f"`policy` must be 'head', 'full', 'local' or a RoutingPolicy instance; got {type(self.policy).__name__}."
+            )
         resolve_policy(self.policy, self.threshold)  # raises on an unknown name
 
     @property
@@ -71,15 +92,34 @@ class OdaConfig:
         return values
 
     def save_pretrained(self, save_directory: str) -> None:
+        """Write `oda_config.json`. A policy object (RandomPolicy, SchedulePolicy...) is a run-time control:
+        it is left out with a warning, and loading then uses the default policy 'head'."""
+        values = self.to_dict()
         if not isinstance(self.policy, str):
-            raise ValueError(
-                f"Only named policies ('head', 'full', 'local') can be saved; {self.policy!r} is a run-time control."
+            del values["policy"]
+            logger.warning(
+                f"oda_config.json saves sinks, window and threshold but not the policy {self.policy!r}: policy "
+                "objects are run-time controls. Loading this folder uses policy='head'; pass policy=... to change it."
             )
         os.makedirs(save_directory, exist_ok=True)
         with open(os.path.join(save_directory, ODA_CONFIG_NAME), "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+            json.dump(values, f, indent=2)
 
     @classmethod
     def from_json_file(cls, path: str) -> "OdaConfig":
-        with open(path) as f:
-            return cls(**json.load(f))
+        """Read `oda_config.json`; errors name the file and what is wrong with it."""
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}). Fix or delete it (it only holds routing "
+                             "defaults), or re-save with OdaForCausalLM.save_pretrained.") from err
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must hold a JSON object of routing keys; got {type(values).__name__}.")
+        unknown = sorted(set(values) - set(ROUTING_KEYS))
+        if unknown:
+            raise ValueError(f"{path} has unknown keys {unknown}; an oda_config.json holds some of {list(ROUTING_KEYS)}.")
+        try:
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err

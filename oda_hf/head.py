@@ -7,11 +7,15 @@ per row; the learned policy calls Full when ``q > theta``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 INPUT_VARIANTS = {
     # missing streams are filled by the first available of H, E, L (ODA_SPEC section 4)
@@ -33,8 +37,11 @@ class RecallHeadConfig(PretrainedConfig):
         head_width: tower width ``m`` (default ``hidden_size // 2``).
         input_variant: which streams the head reads: one of H, E, L, HE, HL, EL, HEL.
         rms_norm_eps: epsilon of the head's RMSNorms.
-        base_model_name_or_path / base_model_revision: the base model the head was trained for.
+        base_model_name_or_path / base_model_revision: the base model the head was trained for
+            (`OdaForCausalLM.from_pretrained(head_folder)` loads it).
         base_vocab_size: that base model's vocabulary size.
+        base_fingerprint: `base_fingerprint(base)` of that model's weights; attaching the head to a
+            base with another fingerprint logs a warning.
         sinks / window: the Local access set the head was trained with.
         oda_lambda / tau_hist: training penalty and history threshold (ODA_SPEC section 5).
     """
@@ -51,6 +58,7 @@ class RecallHeadConfig(PretrainedConfig):
         base_model_name_or_path: str | None = None,
         base_model_revision: str | None = None,
         base_vocab_size: int | None = None,
+        base_fingerprint: str | None = None,
         sinks: int | None = None,
         window: int | None = None,
         oda_lambda: float | None = None,
@@ -67,6 +75,7 @@ class RecallHeadConfig(PretrainedConfig):
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_revision = base_model_revision
         self.base_vocab_size = base_vocab_size
+        self.base_fingerprint = base_fingerprint
         self.sinks = sinks
         self.window = window
         self.oda_lambda = oda_lambda
@@ -75,17 +84,45 @@ class RecallHeadConfig(PretrainedConfig):
 
     @classmethod
     def for_base(cls, base, **kwargs) -> "RecallHeadConfig":
-        """A config sized for `base` (a model, a config, or a hub id / local path of one)."""
-        from transformers import AutoConfig
+        """A config sized for `base` (a model, a config, or a hub id / local path of one).
 
+        Given a loaded model, it also records `base_fingerprint(base)`.
+        """
         if isinstance(base, str):
             config = AutoConfig.from_pretrained(base)
         else:
             config = getattr(base, "config", base)
+        if isinstance(base, nn.Module):
+            kwargs.setdefault("base_fingerprint", base_fingerprint(base))
         text = config.get_text_config(decoder=True)
         name = getattr(config, "_name_or_path", None) or (base if isinstance(base, str) else None)
         kwargs.setdefault("base_model_name_or_path", name)
         return cls(hidden_size=text.hidden_size, base_vocab_size=text.vocab_size, **kwargs)
+
+
+FINGERPRINT_SAMPLES = 1024  # values read per parameter tensor
+
+
+def base_fingerprint(model: nn.Module) -> str | None:
+    """SHA-256 identifying a base model's weights, cheaply and deterministically.
+
+    Hashes every parameter's name and shape and `FINGERPRINT_SAMPLES` evenly strided values of it,
+    rounded to bfloat16 so that one checkpoint loaded in float32 or bfloat16 gives the same digest
+    (a float16 load can differ). None when weights are not materialised (meta / offloaded).
+    """
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        model = model.get_base_model()
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.device.type == "meta":
+                return None
+            flat = param.detach().reshape(-1)
+            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+            sample = flat[::step][:FINGERPRINT_SAMPLES].to(device="cpu", dtype=torch.bfloat16)
+            digest.update(f"{name}:{tuple(param.shape)};".encode())
+            digest.update(sample.view(torch.int16).numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 class RecallHeadRMSNorm(nn.Module):
@@ -180,6 +217,42 @@ class RecallHead(PreTrainedModel):
             z = block(z)
         return self.score(self.final_norm(z)).squeeze(-1)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Load a saved head; a folder that is not a complete recall head is an error, never a random init.
+
+        Checks before loading: the folder exists (or the hub id is cached or reachable), its config.json is
+        an ``oda_recall_head`` config with ``hidden_size``, and model.safetensors is a valid safetensors file;
+        after: every weight was loaded.
+        """
+        from .loading import HUB_KWARGS, resolve_head_folder
+
+        folder = resolve_head_folder(pretrained_model_name_or_path, kwargs)
+        kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
+        config = kwargs.pop("config", None) or RecallHeadConfig.from_pretrained(folder)
+        cls._check_saved_weights(folder, config)
+        return super().from_pretrained(folder, *args, config=config, **kwargs)
+
+    @classmethod
+    def _check_saved_weights(cls, folder: str, config: RecallHeadConfig) -> None:
+        """Raise unless model.safetensors holds every weight of `config`'s head, in its shape."""
+        from safetensors import safe_open
+        from transformers.utils import SAFE_WEIGHTS_NAME
+
+        with torch.device("meta"):
+            expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+        with safe_open(os.path.join(folder, SAFE_WEIGHTS_NAME), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        problems = [f"missing {name}" for name in sorted(set(expected) - set(stored))]
+        problems += [f"{name} is {list(stored[name])}, config.json implies {list(shape)}"
+                     for name, shape in sorted(expected.items()) if name in stored and stored[name] != shape]
+        if problems:
+            shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+            raise ValueError(
+                f"The recall head in {folder} is incomplete or inconsistent: {shown}. Its {SAFE_WEIGHTS_NAME} does "
+                "not match its config.json; save the head again."
+            )
+
     # -- compatibility with a base model -----------------------------------------------------------
     def check_compatible(self, base_config) -> None:
         """Raise if this head cannot read the base model's hidden states or embeddings."""
@@ -198,6 +271,23 @@ class RecallHead(PreTrainedModel):
                 "OdaTrainer / `oda train-head`."
             )
 
+    def check_base_fingerprint(self, base_model: nn.Module) -> bool:
+        """Warn (and return False) if the head records a base fingerprint that `base_model` does not match."""
+        recorded = self.config.base_fingerprint
+        if recorded is None:
+            return True
+        actual = base_fingerprint(base_model)
+        if actual is None or actual == recorded:
+            return True
+        trained_for = self.config.base_model_name_or_path or "another base model"
+        base_name = getattr(base_model.config, "_name_or_path", "") or "this base model"
+        logger.warning(
+            f"This recall head was trained for {trained_for}, whose weights differ from {base_name}'s (base "
+            f"fingerprint {recorded[:19]}... vs {actual[:19]}...). Its routing decisions are likely meaningless "
+            "for this base; use a head trained for it (or the same weights loaded in float32/bfloat16)."
+        )
+        return False
+
     # -- saving and publishing --------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, model_card_fields: dict | None = None, **kwargs):
         """config.json + model.safetensors, and README.md generated from `model_cards/recall_head.md`."""
@@ -212,3 +302,15 @@ class RecallHead(PreTrainedModel):
         from .hub import push_saved_to_hub
 
         return push_saved_to_hub(self, repo_id, **kwargs)
+
+
+def register_auto_classes() -> None:
+    """Make AutoConfig/AutoModel.from_pretrained(head_folder) return the recall head (idempotent).
+
+    transformers' supported extension API; `import oda_hf` calls it.
+    """
+    AutoConfig.register(RecallHeadConfig.model_type, RecallHeadConfig, exist_ok=True)
+    AutoModel.register(RecallHeadConfig, RecallHead, exist_ok=True)
+
+
+register_auto_classes()

@@ -25,6 +25,7 @@ from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
 from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
 from .head import RecallHead
+from .loading import HEAD_MODEL_TYPE, read_model_type, resolve_local_folder
 from .routing import RoutingRecord
 
 logger = logging.get_logger(__name__)
@@ -81,7 +82,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         """Load (or wrap) a base causal LM and a recall head.
 
         Args:
-            base: hub id, local folder, or an already loaded ``*ForCausalLM`` / peft ``PeftModel``.
+            base: hub id, local folder, or an already loaded ``*ForCausalLM`` / peft ``PeftModel``. A recall
+                head's folder (or hub id) alone also works: the base model it records is loaded with it.
             head: a `RecallHead`, a hub id or folder of one, or None with a non-learned policy.
             oda_config: routing defaults; the keyword arguments ``sinks``, ``window``, ``threshold``
                 and ``policy`` override single fields.
@@ -89,13 +91,19 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             **kwargs: remaining arguments go to `AutoModelForCausalLM.from_pretrained` for the base.
         """
         routing = {key: kwargs.pop(key) for key in ROUTING_KEYS if key in kwargs}
+        if routing:
+            OdaConfig.from_kwargs(**routing)  # bad routing values fail before anything is loaded
+        if isinstance(base, (str, os.PathLike)):
+            base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
         if isinstance(head, (str, os.PathLike)):
-            saved = _saved_oda_config(str(head), head_kwargs or {})
+            name = os.fspath(head)
+            head = _load_head(name, head_kwargs or {})
+            saved = _saved_oda_config(name, head_kwargs or {})
             if oda_config is None and saved is not None:
                 oda_config = saved
-            head = _load_head(str(head), head_kwargs or {})
         oda_config = OdaConfig.from_kwargs(oda_config if oda_config is not None else _config_for_head(head), **routing)
         if isinstance(base, (str, os.PathLike)):
+            resolve_local_folder(base, "base model", kwargs.get("revision"))
             base = AutoModelForCausalLM.from_pretrained(base, **kwargs)
         elif kwargs:
             raise TypeError(f"Unexpected arguments {sorted(kwargs)} for an already loaded base model.")
@@ -109,6 +117,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if not isinstance(head, RecallHead):
             raise TypeError(f"head must be a RecallHead, a hub id or a folder; got {type(head).__name__}.")
         head.check_compatible(self.base_model.config)
+        head.check_base_fingerprint(self.base_model)  # one warning if the head was trained on other weights
         cfg = head.config
         for name in ("sinks", "window"):
             trained, used = getattr(cfg, name), getattr(self.oda_config, name)
@@ -420,13 +429,16 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
 
     # -- saving ------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Save the recall head (config.json, model.safetensors, README.md) and the routing defaults."""
+        """Save the recall head (config.json, model.safetensors, README.md) and the routing defaults.
+
+        A policy object (RandomPolicy, SchedulePolicy) is not saved: sinks, window and threshold are,
+        with a warning saying so.
+        """
         if self.recall_head is None:
             raise ValueError("There is no recall head to save: ODA never saves the base model's weights.")
         kwargs.pop("max_shard_size", None)
         self.recall_head.save_pretrained(save_directory, **kwargs)
-        if isinstance(self.oda_config.policy, str):
-            self.oda_config.save_pretrained(save_directory)
+        self.oda_config.save_pretrained(save_directory)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the head, its generated model card and the routing defaults (never the base weights)."""
@@ -450,6 +462,8 @@ class _RecordFinishedRows(StoppingCriteria):
 
 def _config_for_head(head: RecallHead | None) -> OdaConfig:
     """Default routing: the Local geometry the head was trained with, if it records one."""
+    if head is not None and not isinstance(head, RecallHead):
+        raise TypeError(f"head must be a RecallHead, a hub id or a folder; got {type(head).__name__}.")
     trained = {} if head is None else {key: getattr(head.config, key) for key in ("sinks", "window")
                                        if getattr(head.config, key, None) is not None}
     return OdaConfig(**trained)
@@ -458,11 +472,37 @@ def _config_for_head(head: RecallHead | None) -> OdaConfig:
 def _load_head(name: str, head_kwargs: dict) -> RecallHead:
     try:
         return RecallHead.from_pretrained(name, **head_kwargs)
+    except (FileNotFoundError, NotADirectoryError):
+        raise  # they already name the path and the fix
     except OSError as err:
         raise OSError(
             f"Could not load the recall head {name!r}: {err}\nGive a local folder written by save_pretrained, or a hub "
             "id that is cached locally when offline (HF_HUB_OFFLINE=1 uses only the cache)."
         ) from err
+
+
+def _base_of_head_folder(name: str, head, base_kwargs: dict):
+    """``(base, head)``: `name` itself when it is a base model; the base a recall head records when it is a head."""
+    model_type, values = read_model_type(name, base_kwargs)
+    if model_type != HEAD_MODEL_TYPE:
+        return name, head
+    if head is not None:
+        raise ValueError(
+            f"{name!r} is a recall head, and head= was given too. Pass the base model first and the head as head=..., "
+            "or the head alone (its recorded base model is loaded)."
+        )
+    recorded = values.get("base_model_name_or_path")
+    if not recorded:
+        raise ValueError(
+            f"The recall head {name!r} does not record its base model (base_model_name_or_path). Pass the base "
+            f"explicitly: OdaForCausalLM.from_pretrained(<base>, head={name!r})."
+        )
+    if not os.path.isabs(recorded) and not os.path.exists(recorded) and os.path.isdir(os.path.join(name, recorded)):
+        recorded = os.path.join(name, recorded)  # a base path recorded relative to the head folder
+    if values.get("base_model_revision") and "revision" not in base_kwargs:
+        base_kwargs["revision"] = values["base_model_revision"]
+    logger.info(f"Loading the base model {recorded!r} recorded by the recall head {name!r}.")
+    return recorded, name
 
 
 def _saved_oda_config(name: str, head_kwargs: dict) -> OdaConfig | None:

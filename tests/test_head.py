@@ -159,7 +159,7 @@ def test_missing_head_offline_names_the_problem(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time, so patch it
     with pytest.raises(OSError, match=r"(?s)Could not load the recall head 'nobody/no-such-head'.*HF_HUB_OFFLINE"):
         OdaForCausalLM.from_pretrained(tiny_model("qwen3"), head="nobody/no-such-head")
-    with pytest.raises(OSError, match="Could not load the recall head"):
+    with pytest.raises(FileNotFoundError, match="recall head folder .*missing-folder' does not exist"):
         OdaForCausalLM.from_pretrained(tiny_model("qwen3"), head=str(tmp_path / "missing-folder"))
 
 

@@ -161,7 +161,8 @@ def test_layout_matches_oda_global_layer():
     """Visibility and slot mapping agree with the cache the HF path uses (oda_hf.cache)."""
     cache = pytest.importorskip("oda_hf.cache")
     for s, w in [(4, 6), (0, 5), (3, 2), (2, 1)]:
-        layer = cache.OdaGlobalLayer(sinks=s, window=w)
+        # a history long enough for the counts below: the workspace is the full s + w
+        layer = cache.OdaGlobalLayer(sinks=s, window=w, max_cache_len=3 * (s + w) + 1)
         layer.lazy_initialization(torch.zeros(5, 1, 1, 8), torch.zeros(5, 1, 1, 8))
         layer.valid_count = torch.tensor([0, 1, s + 1, s + w, 3 * (s + w) + 1])
         visible = layer.local_visibility()

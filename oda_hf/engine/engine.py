@@ -23,6 +23,7 @@ import itertools
 
 import torch
 
+from ..cache import workspace_geometry
 from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted
 from ..modeling import OdaForCausalLM
 from . import routing as device_routing
@@ -102,11 +103,13 @@ class OdaStaticEngine:
         layers, q_heads, kv_heads = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
         capacity = bucket_index(max_length, self.bucket_size) * self.bucket_size
+        # The workspace never needs more slots than the engine has columns (same access sets, see cache.py).
+        self.ws_sinks, self.ws_window = workspace_geometry(self.sinks, self.window, capacity)
         self.state = EngineState.allocate(
             layers=layers, batch=batch_size, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim,
-            hidden=config.hidden_size, capacity=capacity, sinks=self.sinks, window=self.window, dtype=self.dtype,
+            hidden=config.hidden_size, capacity=capacity, sinks=self.ws_sinks, window=self.ws_window, dtype=self.dtype,
             device=self.device)
-        self.local = LocalAttention(self.kernels, self.sinks, self.window, layers=layers, batch=batch_size,
+        self.local = LocalAttention(self.kernels, self.ws_sinks, self.ws_window, layers=layers, batch=batch_size,
                                     q_heads=q_heads, head_dim_v=head_dim, dtype=self.dtype, device=self.device)
         self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL)}
         self._column_index = torch.arange(capacity, device=self.device)
@@ -239,7 +242,7 @@ class OdaStaticEngine:
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            past_key_values=self._caches[PREFILL], use_cache=True)
         hidden = out.last_hidden_state
-        self.state.load_prefix(mask.bool(), self.sinks, self.window)
+        self.state.load_prefix(mask.bool(), self.ws_sinks, self.ws_window)
         self.state.selected_hidden.copy_(hidden[:, -1])
         self._length = self._used = length
         return self.model.lm_logits(hidden[:, -1:])[:, -1]
@@ -274,7 +277,7 @@ class OdaStaticEngine:
         if loaded != layers:
             self.reset()
             raise ValueError(f"Expected one (keys, values) per layer ({layers}); got {loaded}.")
-        self.state.load_prefix(mask.bool(), self.sinks, self.window)
+        self.state.load_prefix(mask.bool(), self.ws_sinks, self.ws_window)
         self.state.selected_hidden.copy_(selected_hidden)
         self._length = self._used = length
 
@@ -339,9 +342,9 @@ class OdaStaticEngine:
         advanced position), and none of them advances the request's history.
         """
         for force in ((True, False) if key.plan.run_local else (None,)):
-            with self.state.preserved(self._length, self.sinks, self.window):
+            with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
                 self.graphs.warm_up(lambda: self._run_step(key, force=force))
-        with self.state.preserved(self._length, self.sinks, self.window):
+        with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
             self.graphs.capture(key, lambda: self._run_step(key))
 
     # -- the step ------------------------------------------------------------------------------------
@@ -396,10 +399,10 @@ class OdaStaticEngine:
             fused_commit(state.cache_keys, state.cache_values, state.ws_keys, state.ws_values,
                          state.ws_keys[:, :, :, -1:], state.ws_values[:, :, :, -1:],
                          state.full_keys if with_full else None, state.full_values if with_full else None,
-                         select_full, state.cache_position, state.valid_count, self.sinks, self.window,
+                         select_full, state.cache_position, state.valid_count, self.ws_sinks, self.ws_window,
                          full_already_written=True)
         else:
-            state.commit(select_full, with_full, self.sinks, self.window)
+            state.commit(select_full, with_full, self.ws_sinks, self.ws_window)
 
     # -- whole requests ------------------------------------------------------------------------------
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):

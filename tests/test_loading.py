@@ -1,0 +1,106 @@
+"""Loading and saving that never lie: base fingerprints, loading from a head folder alone, AutoConfig, saved routing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoConfig, AutoModel
+
+from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
+from oda_hf.head import base_fingerprint, register_auto_classes
+from tiny_models import tiny_model
+
+MISMATCH = "whose weights differ from"
+
+
+def test_fingerprint_is_deterministic_dtype_stable_and_tells_weights_apart(tmp_path):
+    base = tiny_model("qwen3", seed=0)
+    digest = base_fingerprint(base)
+    assert digest.startswith("sha256:") and len(digest) == len("sha256:") + 64
+    assert base_fingerprint(tiny_model("qwen3", seed=0)) == digest
+    base.save_pretrained(tmp_path)
+    reloaded = type(base).from_pretrained(tmp_path)
+    assert base_fingerprint(reloaded) == digest
+    # the same float32 checkpoint loaded in bfloat16: values are rounded as the fingerprint rounds them
+    assert base_fingerprint(type(base).from_pretrained(tmp_path, dtype=torch.bfloat16)) == digest
+    assert base_fingerprint(tiny_model("qwen3", seed=1)) != digest  # same shapes, other weights
+    with torch.no_grad():
+        reloaded.model.norm.weight[0] += 1.0  # one changed value in a sampled tensor
+    assert base_fingerprint(reloaded) != digest
+
+
+def test_fingerprint_ignores_bfloat16_rounding_of_bfloat16_weights():
+    base = tiny_model("qwen3").to(torch.bfloat16)
+    assert base_fingerprint(base) == base_fingerprint(base.float())
+
+
+def test_head_records_its_base_and_warns_once_on_other_weights(tmp_path, caplog):
+    base = tiny_model("qwen3", seed=0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    assert head.config.base_fingerprint == base_fingerprint(base)
+    head.save_pretrained(tmp_path / "head")
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["base_fingerprint"] == base_fingerprint(base)
+
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM.from_pretrained(tiny_model("qwen3", seed=0), head=str(tmp_path / "head"))
+    assert MISMATCH not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM.from_pretrained(tiny_model("qwen3", seed=1), head=str(tmp_path / "head"))
+    assert caplog.text.count(MISMATCH) == 1
+
+    unrecorded = RecallHead(RecallHeadConfig(hidden_size=32, head_width=8))  # heads saved before fingerprints
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM(tiny_model("qwen3", seed=1), unrecorded)
+    assert MISMATCH not in caplog.text
+
+
+def test_from_pretrained_of_a_head_folder_loads_the_recorded_base(tmp_path):
+    base = tiny_model("qwen3", seed=0)
+    base.save_pretrained(tmp_path / "base")
+    loaded_base = type(base).from_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig.for_base(loaded_base, head_width=8, sinks=2, window=4))
+    assert head.config.base_model_name_or_path == str(tmp_path / "base")
+    explicit = OdaForCausalLM(loaded_base, head, OdaConfig(sinks=2, window=4, threshold=0.25))
+    explicit.save_pretrained(tmp_path / "head")
+
+    model = OdaForCausalLM.from_pretrained(str(tmp_path / "head"))
+    assert model.oda_config.threshold == 0.25 and (model.oda_config.sinks, model.oda_config.window) == (2, 4)
+    assert base_fingerprint(model.base_model) == head.config.base_fingerprint
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    settings = dict(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**settings), explicit.generate(**settings))
+    assert torch.equal(model.routing.decisions, explicit.routing.decisions)
+
+
+def test_auto_classes_know_the_recall_head_and_registration_is_idempotent(tmp_path):
+    RecallHead(RecallHeadConfig(hidden_size=32, head_width=8)).save_pretrained(tmp_path)
+    register_auto_classes()  # `import oda_hf` did it once; again must not raise
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "oda_recall_head" and config.hidden_size == 32
+    assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "RecallHead"
+
+
+def test_saving_with_a_policy_object_keeps_the_savable_routing_and_says_what_is_not(tmp_path, caplog):
+    base = tiny_model("qwen3")
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=3, window=8, threshold=0.7, policy=SchedulePolicy(1, 4)))
+    with caplog.at_level("WARNING"):
+        model.save_pretrained(tmp_path)
+    assert "not the policy SchedulePolicy" in caplog.text
+    assert json.loads((tmp_path / "oda_config.json").read_text()) == {"sinks": 3, "window": 8, "threshold": 0.7}
+    reloaded = OdaForCausalLM.from_pretrained(base, head=str(tmp_path))
+    assert (reloaded.oda_config.sinks, reloaded.oda_config.window, reloaded.oda_config.threshold) == (3, 8, 0.7)
+    assert reloaded.oda_config.policy == "head"
+
+
+def test_shipped_organism_head_records_its_shipped_backbone(caplog):
+    from oda_hf.organism.demo import load_organism
+
+    with caplog.at_level("WARNING"):
+        model, _, _ = load_organism()
+    assert MISMATCH not in caplog.text
+    assert model.recall_head.config.base_fingerprint == base_fingerprint(model.base_model)
