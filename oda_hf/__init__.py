@@ -6,6 +6,7 @@ recall head decides when to recompute the step with Full attention over the comp
 Public names load on first use (torch and transformers are not imported by ``import oda_hf``).
 """
 
+import sys
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
@@ -25,6 +26,13 @@ _EXPORTS = {
     "RoutingRecord": ".routing",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if "transformers" in sys.modules:
+    # AutoConfig/AutoModel learn `oda_recall_head` now. Registering needs transformers (and torch), which
+    # `import oda_hf` never imports by itself (`oda --help` stays fast); any oda_hf class registers it too.
+    from .head import register_auto_classes
+
+    register_auto_classes()
 
 if TYPE_CHECKING:
     from .cache import OdaCache

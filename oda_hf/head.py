@@ -307,7 +307,8 @@ class RecallHead(PreTrainedModel):
 def register_auto_classes() -> None:
     """Make AutoConfig/AutoModel.from_pretrained(head_folder) return the recall head (idempotent).
 
-    transformers' supported extension API; `import oda_hf` calls it.
+    transformers' supported extension API. Importing this module calls it (any oda_hf class does), and so does
+    `import oda_hf` when transformers is already imported.
     """
     AutoConfig.register(RecallHeadConfig.model_type, RecallHeadConfig, exist_ok=True)
     AutoModel.register(RecallHeadConfig, RecallHead, exist_ok=True)

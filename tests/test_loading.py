@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import torch
 from transformers import AutoConfig, AutoModel
@@ -82,6 +84,16 @@ def test_auto_classes_know_the_recall_head_and_registration_is_idempotent(tmp_pa
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.model_type == "oda_recall_head" and config.hidden_size == 32
     assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "RecallHead"
+
+
+def test_import_oda_hf_after_transformers_registers_the_head_config(tmp_path):
+    RecallHead(RecallHeadConfig(hidden_size=32, head_width=8)).save_pretrained(tmp_path)
+    code = ("import sys, transformers, oda_hf\n"
+            "assert 'oda_hf.head' in sys.modules\n"
+            f"print(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}).model_type)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "oda_recall_head"
 
 
 def test_saving_with_a_policy_object_keeps_the_savable_routing_and_says_what_is_not(tmp_path, caplog):
