@@ -95,10 +95,11 @@ def _subcommands() -> list:
     """Subcommands defined next to the code they drive (each module has add_cli(subparsers))."""
     from . import cost
     from .evaluation import cli as evaluation_cli
+    from .evaluation import ruler_synth
     from .organism import demo
     from .training import cli as training_cli
 
-    return [demo.add_cli, cost.add_cli, training_cli.add_cli, evaluation_cli.add_cli]
+    return [demo.add_cli, cost.add_cli, training_cli.add_cli, evaluation_cli.add_cli, ruler_synth.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:
