@@ -57,9 +57,14 @@ from .suites import EvalExample, ruler_max_new_tokens, write_examples
 logger = logging.getLogger(__name__)
 
 GENERATOR = "oda-ruler-synth/1"
+#: Seed namespace (kept across generator versions, so fixes that do not touch a task keep its prompts).
+SEED_NAMESPACE = "oda-ruler"
 DEFAULT_TOLERANCE = 0.02
 #: RULER's insertion grid: 40 depths evenly over [0, 100]%.
 DEPTH_GRID = tuple(round(100 * i / 39) for i in range(40))
+#: Draws of the distractor needles tried when one draw misses the length by more than `CLOSE_ENOUGH`.
+FILLER_VARIANTS = 16
+CLOSE_ENOUGH = 0.0025
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ def wonderwords_version() -> str:
 
 def example_seed(seed: int, split: str, task: str, length: int, index: int) -> int:
     """A 64-bit seed of its own for every prompt; splits, tasks and lengths are disjoint namespaces."""
-    key = f"{GENERATOR}|seed={seed}|split={split}|task={task}|length={length}|index={index}"
+    key = f"{SEED_NAMESPACE}|seed={seed}|split={split}|task={task}|length={length}|index={index}"
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
 
 
@@ -312,9 +317,9 @@ def _niah(spec: NiahTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
     start = _sentence_start(prose, rng.randrange(len(prose))) if prose is not None else 0
     filler_seed = rng.getrandbits(64)
 
-    def build(size: int) -> Draft:
+    def build(size: int, variant: int = 0) -> Draft:
         if haystack == "needle":  # distractors: the same kind of needle with fresh keys and values
-            filler = random.Random(filler_seed)
+            filler = random.Random(filler_seed + variant)
             taken = set(used)
             units = [NIAH_NEEDLE.format(kind=spec.value_type, key=key, value=_random_value(filler, spec.value_type))
                      for key in _distinct(filler, spec.key_type, size, taken)]
@@ -328,9 +333,12 @@ def _niah(spec: NiahTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
         return Draft(template.format(kind=kind, context=context, query=query),
                      prefix.format(kind=kind, query=query), list(answers),
                      {"depth": depths[primary], "needle_depths": depths, "haystack": haystack,
-                      "haystack_units": size, **({"haystack_start_word": start} if prose is not None else {})})
+                      "haystack_units": size, **({"haystack_start_word": start} if prose is not None else {}),
+                      **({"filler_variant": variant} if haystack == "needle" else {})})
 
-    return build, 0
+    # A distractor needle is one coarse unit (~75 tokens with UUIDs); other draws of the distractors
+    # tokenize to slightly different lengths, so the length search may pick the closest of a few.
+    return build, 0, FILLER_VARIANTS if haystack == "needle" else 1
 
 
 def _vt_chain(rng: random.Random, hops: int, letters: int) -> tuple[list[str], str, list[str]]:
@@ -372,13 +380,13 @@ def _vt(spec: VariableTrackingTask, ctx: _Context) -> tuple[Callable[[int], Draf
     example = f"{example_prompt}{example_prefix}{' '.join(example_names[0])}\n"
     chains, names, values, depths = chains_and_depths(5)
 
-    def build(size: int) -> Draft:
+    def build(size: int, variant: int = 0) -> Draft:
         prompt, prefix = _vt_text(chains, depths, size, values[0], spec.num_hops)
         return Draft(f"{example}\n{prompt}", prefix, list(names[0]),
                      {"depth": round(100 * depths[0][0]), "needle_depths": [round(100 * d) for d in depths[0]],
                       "haystack": "noise", "haystack_units": size})
 
-    return build, 0
+    return build, 0, 1
 
 
 def _numbered(words: Sequence[str]) -> str:
@@ -400,7 +408,7 @@ def _cwe(spec: CommonWordsTask, ctx: _Context) -> tuple[Callable[[int], Draft], 
     common = order[:spec.num_common]
     shuffle_seed = rng.getrandbits(64)
 
-    def build(size: int) -> Draft:
+    def build(size: int, variant: int = 0) -> Draft:
         if size > len(order):
             raise ValueError(f"cwe at {ctx.length} tokens needs more than the {len(order)} distinct words of the "
                              "word list (RULER falls back to an English word list that is not available offline); "
@@ -412,7 +420,7 @@ def _cwe(spec: CommonWordsTask, ctx: _Context) -> tuple[Callable[[int], Draft], 
         return Draft(prompt, CWE_ANSWER_PREFIX, list(common),
                      {"haystack": "words", "haystack_units": size, "setting": "small" if small else "large"})
 
-    return build, spec.num_common
+    return build, spec.num_common, 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,14 +444,14 @@ def _fwe(spec: FrequentWordsTask, ctx: _Context) -> tuple[Callable[[int], Draft]
     zeta = _zeta(spec.alpha)
     shuffle_seed = rng.getrandbits(64)
 
-    def build(size: int) -> Draft:
+    def build(size: int, variant: int = 0) -> Draft:
         words = [w for k, w in enumerate(ranked, start=1) for _ in range(int(size * k ** -spec.alpha / zeta))]
         random.Random(shuffle_seed).shuffle(words)
         return Draft(FWE_TEMPLATE.format(context=" ".join(words)), FWE_ANSWER_PREFIX, ranked[1:4],
                      {"haystack": "coded words", "haystack_units": size})
 
     # Below ~80 words the top counts can tie; RULER's budgets are far above that.
-    return build, 80
+    return build, 80, 1
 
 
 _BUILDERS = {NiahTask: _niah, VariableTrackingTask: _vt, CommonWordsTask: _cwe, FrequentWordsTask: _fwe}
@@ -491,6 +499,19 @@ class _Fit:
             else:
                 hi = mid
         return min((lo, hi), key=lambda s: (abs(self(s) - target), s))
+
+
+def _fit_length(build, floor: int, variants: int, length: int, hint: int | None, count) -> tuple[int, int, int]:
+    """(size, tokens, variant) closest to `length`, trying filler variants until one is close enough."""
+    best = None
+    for variant in range(variants):
+        fit = _Fit(functools.partial(build, variant=variant), count)
+        size = fit.search(length, floor, hint)
+        if best is None or abs(fit(size) - length) < abs(best[1] - length):
+            best = (size, fit(size), variant)
+        if abs(best[1] - length) <= CLOSE_ENOUGH * length:
+            break
+    return best
 
 
 class _TooShort(Exception):
@@ -573,14 +594,14 @@ def generate_suite(tokenizer, tasks: Sequence[str] | None = None, lengths: Seque
             spec, hint = TASKS[task], None
             for index in range(n):
                 ctx = _Context(task, split, length, index, n, haystack, example_seed(seed, split, task, length, index))
-                build, floor = _BUILDERS[type(spec)](spec, ctx)
-                fit = _Fit(build, lambda draft: prompt_token_count(tokenizer, draft, chat_template))
+                build, floor, variants = _BUILDERS[type(spec)](spec, ctx)
                 try:
-                    size = fit.search(length, floor, hint)
+                    size, tokens, variant = _fit_length(build, floor, variants, length, hint,
+                                                        lambda draft: prompt_token_count(tokenizer, draft, chat_template))
                 except _TooShort as short:
                     raise ValueError(f"{task} needs at least {short.tokens} prompt tokens (template, needles, "
                                      f"examples); length {length} is too small for it.") from None
-                hint, tokens, draft = size, fit(size), build(size)
+                hint, draft = size, build(size, variant)
                 if abs(tokens - length) > tolerance * length:
                     raise ValueError(
                         f"{task} at length {length}: the closest prompt has {tokens} tokens "
