@@ -253,3 +253,9 @@ def test_bad_inputs_have_clear_errors(tok):
         ruler_synth.generate_suite(tiny_tokenizer(chat_template=False), lengths=[1024])
     with pytest.raises(ValueError, match="positive integer"):
         ruler_synth.generate_suite(tok, lengths=[1024], n=0)
+
+
+def test_a_length_folder_loads_as_one_suite(tmp_path, suite):
+    ruler_synth.write_suite(suite, tmp_path)
+    loaded = load_examples(tmp_path / "1024")
+    assert sorted(e.id for e in loaded) == sorted(e.id for e in suite if e.meta["length"] == 1024)
