@@ -158,6 +158,8 @@ def test_niah_needles_and_queries_follow_ruler(suite):
             assert len(needles) == max(spec.num_keys, spec.num_queries) * spec.num_values
         if kind == "numbers":
             assert all(re.fullmatch(r"\d{7}", a) for a in example.answers)
+        depths = example.meta["needle_depths"]
+        assert len(set(depths)) == len(depths) and example.meta["depth"] in depths
 
 
 def test_vt_chain_is_in_the_prompt(suite):

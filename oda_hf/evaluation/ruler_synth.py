@@ -305,10 +305,12 @@ def _niah(spec: NiahTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
     needles = [(k, v, NIAH_NEEDLE.format(kind=spec.value_type, key=keys[k], value=v))
                for k in range(num_keys) for v in values[k]]
     rng.shuffle(needles)
-    # The first needle of a queried key goes to this prompt's spread depth, the others to grid depths.
+    # The first needle of a queried key goes to this prompt's spread depth, the others to distinct grid depths.
+    # Distinct depths, as RULER samples its grid without replacement.
     primary = next(i for i, (k, _, _) in enumerate(needles) if k == queried[0])
-    depths = [spread_depth(ctx.index, ctx.n) if i == primary else rng.choice(DEPTH_GRID)
-              for i in range(len(needles))]
+    primary_depth = spread_depth(ctx.index, ctx.n)
+    others = iter(rng.sample([d for d in DEPTH_GRID if d != primary_depth], len(needles) - 1))
+    depths = [primary_depth if i == primary else next(others) for i in range(len(needles))]
     query = _join_keys([keys[i] for i in queried])
     template, prefix = (NIAH_TEMPLATE_SINGLE, NIAH_ANSWER_PREFIX_SINGLE) if single else \
         (NIAH_TEMPLATE, NIAH_ANSWER_PREFIX)
