@@ -3,7 +3,9 @@ definitions, metrics on hand-made cases and bad inputs. A tiny word-level tokeni
 chat template stands in for a real one (one token per word or punctuation run)."""
 
 import json
+import lzma
 import re
+import shutil
 from collections import Counter
 
 import pytest
@@ -261,3 +263,16 @@ def test_a_length_folder_loads_as_one_suite(tmp_path, suite):
     ruler_synth.write_suite(suite, tmp_path)
     loaded = load_examples(tmp_path / "1024")
     assert sorted(e.id for e in loaded) == sorted(e.id for e in suite if e.meta["length"] == 1024)
+
+
+def test_kjv_export_names_the_debian_packages_when_the_program_is_missing():
+    with pytest.raises(FileNotFoundError, match="apt-get install bible-kjv bible-kjv-text"):
+        haystacks.export_kjv(program="no-such-bible-program")
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="Debian's bible-kjv is not installed")
+def test_kjv_export_reproduces_the_shipped_text(tmp_path):
+    text = haystacks.export_kjv(tmp_path / "kjv.txt.xz")
+    with lzma.open(tmp_path / "kjv.txt.xz", "rt", encoding="utf-8") as f:
+        assert f.read() == text
+    assert len(text.splitlines()) == len(haystacks.kjv_verses())

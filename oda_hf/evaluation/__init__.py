@@ -2,6 +2,7 @@
 diagnostics and routing-trajectory rendering (paper Section 3 and Appendix B).
 
 * `suites`: examples (generic JSONL, RULER, LongBench v1) with their official metrics (`metrics`);
+* `ruler_synth` + `haystacks`: RULER's synthetic tasks generated offline at exact token lengths;
 * `runner`: every policy (Full, StreamingLLM, ODA thresholds, matched Random, schedules) generates
   greedily from its own Full prefill; resumable JSONL records;
 * `report`: per-task and aggregate scores, pooled and task-averaged Full-call rates, Markdown
@@ -35,6 +36,7 @@ from .runner import (
     schedule,
     streaming_llm,
 )
+from .ruler_synth import generate_suite, write_suite
 from .suites import EvalExample, examples_from_organism, load_examples, load_longbench, load_ruler, write_examples
 from .trajectory import render_html, render_png, render_record, token_strings
 
@@ -44,5 +46,5 @@ __all__ = [
     "load_reference_sequences", "load_ruler", "markdown_report", "oda", "paper_policies", "random_fixed",
     "random_matched", "reference_gains", "render_html", "render_png", "render_record", "schedule", "score_example",
     "streaming_llm", "summarize", "token_strings", "write_diagnostics", "write_examples", "write_report",
-    "zh_segmentation",
+    "zh_segmentation", "generate_suite", "write_suite",
 ]

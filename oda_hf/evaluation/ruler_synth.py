@@ -278,7 +278,12 @@ def _insert(units: list[str], needles: Sequence[tuple[int, str]]) -> tuple[list[
     return out, slots
 
 
-# -- task builders: each returns build(size) -> Draft, drawing size-independent choices once --------
+# -- task builders -----------------------------------------------------------------------------------
+# Each draws everything that does not depend on the haystack size once, and returns
+# (build(size, variant) -> Draft, the smallest size, the number of filler variants).
+
+
+_Builder = tuple[Callable[..., Draft], int, int]
 
 
 @dataclass
@@ -292,7 +297,7 @@ class _Context:
     seed: int  # this example's seed
 
 
-def _niah(spec: NiahTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
+def _niah(spec: NiahTask, ctx: _Context) -> _Builder:
     rng = random.Random(ctx.seed)
     num_keys = max(spec.num_keys, spec.num_queries)
     used: set[str] = set()
@@ -305,8 +310,8 @@ def _niah(spec: NiahTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
     needles = [(k, v, NIAH_NEEDLE.format(kind=spec.value_type, key=keys[k], value=v))
                for k in range(num_keys) for v in values[k]]
     rng.shuffle(needles)
-    # The first needle of a queried key goes to this prompt's spread depth, the others to distinct grid depths.
-    # Distinct depths, as RULER samples its grid without replacement.
+    # The first needle of a queried key goes to this prompt's spread depth, the others to distinct
+    # depths of RULER's grid (RULER samples the grid without replacement).
     primary = next(i for i, (k, _, _) in enumerate(needles) if k == queried[0])
     primary_depth = spread_depth(ctx.index, ctx.n)
     others = iter(rng.sample([d for d in DEPTH_GRID if d != primary_depth], len(needles) - 1))
@@ -362,7 +367,7 @@ def _vt_text(chains: list[list[str]], depths: list[list[float]], sentences: int,
     return prompt, VT_ANSWER_PREFIX.format(num_v=hops + 1, query=value)
 
 
-def _vt(spec: VariableTrackingTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
+def _vt(spec: VariableTrackingTask, ctx: _Context) -> _Builder:
     rng = random.Random(ctx.seed)
 
     def chains_and_depths(letters):
@@ -395,7 +400,7 @@ def _numbered(words: Sequence[str]) -> str:
     return " ".join(f"{i + 1}. {word}" for i, word in enumerate(words))
 
 
-def _cwe(spec: CommonWordsTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
+def _cwe(spec: CommonWordsTask, ctx: _Context) -> _Builder:
     rng = random.Random(ctx.seed)
     pool = list(word_list("cwe"))
     small = ctx.length + ruler_max_new_tokens("cwe") < CWE_SMALL_BELOW
@@ -434,7 +439,7 @@ def _zeta(alpha: float, terms: int = 1000) -> float:
     return head + terms ** (1 - alpha) / (alpha - 1) + terms ** -alpha / 2 + alpha * terms ** (-alpha - 1) / 12
 
 
-def _fwe(spec: FrequentWordsTask, ctx: _Context) -> tuple[Callable[[int], Draft], int]:
+def _fwe(spec: FrequentWordsTask, ctx: _Context) -> _Builder:
     rng = random.Random(ctx.seed)
     vocab_size = max(ctx.length // 50, 8)  # RULER: prompt budget // 50
     vocab: set[str] = set()
