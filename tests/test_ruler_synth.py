@@ -42,6 +42,14 @@ def suite(tok):
     return ruler_synth.generate_suite(tok, lengths=[1024, 2048], split="test", n=3, haystack="kjv", seed=0)
 
 
+def haystack_sentence(example):
+    """A long sentence of a prose haystack that is not a needle."""
+    sentences = [s for s in re.split(r"(?<=[.!?]) ", example.prompt.split("\n")[1])
+                 if len(s.split()) >= 8 and "special magic" not in s]
+    assert sentences, example.id
+    return sentences[0]
+
+
 def by_task(examples):
     out = {}
     for example in examples:
@@ -121,10 +129,7 @@ def test_splits_are_disjoint_in_seeds_needles_and_haystack_text(tok):
             if example.meta["haystack"] != "kjv":
                 continue
             # A stretch of the haystack (a sentence away from the needles) comes from its own split only.
-            sentences = [s for s in re.split(r"(?<=[.!?]) ", example.prompt.split("\n")[1])
-                         if len(s.split()) >= 8 and "special magic" not in s]
-            assert sentences, example.id
-            owners = [other for other, text in texts.items() if sentences[0] in text]
+            owners = [other for other, text in texts.items() if haystack_sentence(example) in text]
             assert owners == [split], (example.id, owners)
 
 
@@ -276,3 +281,26 @@ def test_kjv_export_reproduces_the_shipped_text(tmp_path):
     with lzma.open(tmp_path / "kjv.txt.xz", "rt", encoding="utf-8") as f:
         assert f.read() == text
     assert len(text.splitlines()) == len(haystacks.kjv_verses())
+
+
+def test_python_docs_haystack_names_the_debian_package_when_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
+    with pytest.raises(FileNotFoundError, match=r"apt-get install python3\.11-doc"):
+        haystacks.python_docs_root()
+
+
+def test_python_docs_root_picks_the_newest_version(monkeypatch, tmp_path):
+    for version in ("3.9", "3.11", "3.10"):
+        (tmp_path / f"python{version}" / "html").mkdir(parents=True)
+    monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
+    assert haystacks.python_docs_root() == str(tmp_path / "python3.11" / "html")
+
+
+@pytest.mark.skipif(not __import__("glob").glob(haystacks.PYTHON_DOCS_GLOB), reason="no python3.X-doc installed")
+def test_python_docs_haystack_uses_its_split_sections(tok):
+    examples = ruler_synth.generate_suite(tok, tasks=["niah_single_2"], lengths=[1024], n=2, haystack="python-docs")
+    test_text = " ".join(haystacks.prose_words("python-docs", "test"))
+    for example in examples:
+        assert example.meta["haystack"] == "python-docs" and len(example.meta["haystack_sha256"]) == 64
+        assert abs(example.meta["tokens"] - 1024) <= 0.02 * 1024
+        assert haystack_sentence(example) in test_text

@@ -7,30 +7,40 @@
   prints it with ``-f``), so no download or apt is needed. `export_kjv` reproduces the file from
   Debian's ``bible-kjv`` + ``bible-kjv-text`` packages; the loader checks its SHA-256.
 
+* ``python-docs``: the prose paragraphs of the Python documentation as Debian's ``python3.X-doc``
+  package installs it (``/usr/share/doc/python3.X/html``), read from the system (not shipped); the
+  newest installed version is used, and records carry a SHA-256 of the text used.
+
 RULER's own prose haystack is Paul Graham's essays, downloaded from the web; they are not available
 offline, and the KJV stands in for them.
 
 Splits by text, so that head-training data and evaluation data never share haystack prose:
 the Old Testament (Genesis-Malachi, ~609K words) is the ``train`` split, the Gospels and Acts
 (Matthew-Acts, ~108K words) the ``test`` split, and the Epistles and Revelation (Romans-Revelation,
-~72K words) the ``dev`` split.
+~72K words) the ``dev`` split. The Python docs split by section: library reference, C API,
+extending and distribution guides -> ``train`` (~780K words); HOWTOs, FAQ, setup -> ``dev``
+(~105K); tutorial, language reference, what's new -> ``test`` (~255K). About 0.5% of the
+sentences (boilerplate) occur in more than one section.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import lzma
 import os
 import re
 import shutil
 import subprocess
+from html.parser import HTMLParser
 from importlib import resources
 
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NOISE_SENTENCES = tuple(s + "." for s in NOISE_LINE.rstrip(".").split(". "))
 
-HAYSTACKS = ("noise", "kjv")
+HAYSTACKS = ("noise", "kjv", "python-docs")
+PROSE_HAYSTACKS = ("kjv", "python-docs")
 SPLITS = ("train", "dev", "test")
 
 KJV_RESOURCE = "data/kjv.txt.xz"
@@ -51,6 +61,15 @@ KJV_EPISTLES_REVELATION = (
     "1Pet", "2Pet", "1Jn", "2Jn", "3Jn", "Jude", "Rev",
 )
 KJV_SPLIT_BOOKS = {"train": KJV_OLD_TESTAMENT, "dev": KJV_EPISTLES_REVELATION, "test": KJV_GOSPELS_ACTS}
+
+PYTHON_DOCS_GLOB = "/usr/share/doc/python3.*/html"
+PYTHON_DOCS_SPLIT_SECTIONS = {
+    "train": ("library", "c-api", "extending", "distutils", "distributing", "install", "installing"),
+    "dev": ("howto", "faq", "using"),
+    "test": ("tutorial", "reference", "whatsnew"),
+}
+#: Paragraphs shorter than this are navigation ("Previous topic", titles), not prose.
+PYTHON_DOCS_MIN_WORDS = 6
 
 _REFERENCE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+)$")
 
@@ -109,14 +128,75 @@ def kjv_verses() -> tuple[tuple[str, str], ...]:
     return tuple(verses)
 
 
+class _Paragraphs(HTMLParser):
+    """Text of the <p> elements of one HTML page, outside <pre>/<script>/<style>."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.open, self.skip, self.buffer, self.paragraphs = 0, 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "p":
+            self.open, self.buffer = self.open + 1, []
+        elif tag in ("pre", "script", "style"):
+            self.skip += 1
+
+    def handle_endtag(self, tag):
+        if tag == "p" and self.open:
+            self.open -= 1
+            text = " ".join("".join(self.buffer).split())
+            if len(text.split()) >= PYTHON_DOCS_MIN_WORDS:
+                self.paragraphs.append(text)
+        elif tag in ("pre", "script", "style") and self.skip:
+            self.skip -= 1
+
+    def handle_data(self, data):
+        if self.open and not self.skip:
+            self.buffer.append(data)
+
+
+def python_docs_root() -> str:
+    """The newest installed Python HTML documentation (Debian's python3.X-doc)."""
+    def version(path):
+        return tuple(int(p) for p in re.findall(r"python(\d+)\.(\d+)", path)[-1])
+
+    roots = [r for r in glob.glob(PYTHON_DOCS_GLOB) if re.search(r"python\d+\.\d+/html$", r)]
+    if not roots:
+        raise FileNotFoundError(f"No Python documentation under {PYTHON_DOCS_GLOB}: the python-docs haystack reads "
+                                "Debian's python3.X-doc package, e.g. `apt-get install python3.11-doc`.")
+    return max(roots, key=version)
+
+
+@functools.lru_cache(maxsize=4)
+def _python_docs_sections(root: str) -> dict[str, tuple[str, ...]]:
+    sections: dict[str, list[str]] = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", "*.html"))):
+        parser = _Paragraphs()
+        with open(path, encoding="utf-8") as f:
+            parser.feed(f.read())
+        sections.setdefault(os.path.basename(os.path.dirname(path)), []).extend(parser.paragraphs)
+    return {name: tuple(paragraphs) for name, paragraphs in sections.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def prose_words(haystack: str, split: str) -> tuple[str, ...]:
     """The prose of `haystack` for `split` as one stream of whitespace-separated words."""
     check_split(split)
-    if check_haystack(haystack) != "kjv":
+    if check_haystack(haystack) == "kjv":
+        books = set(KJV_SPLIT_BOOKS[split])
+        words = tuple(w for book, verse in kjv_verses() if book in books for w in verse.split())
+    elif haystack == "python-docs":
+        sections = _python_docs_sections(python_docs_root())
+        words = tuple(w for name in PYTHON_DOCS_SPLIT_SECTIONS[split]
+                      for paragraph in sections.get(name, ()) for w in paragraph.split())
+    else:
         raise ValueError(f"Haystack {haystack!r} is not prose.")
-    books = set(KJV_SPLIT_BOOKS[split])
-    words = tuple(w for book, verse in kjv_verses() if book in books for w in verse.split())
     if not words:
-        raise ValueError(f"No KJV verses for split {split!r} (books {sorted(books)}).")
+        raise ValueError(f"No {haystack} text for split {split!r}.")
     return words
+
+
+@functools.lru_cache(maxsize=None)
+def prose_fingerprint(haystack: str, split: str) -> str:
+    """SHA-256 of the words `prose_words` gives (records carry it: the Python docs come from the system)."""
+    return hashlib.sha256(" ".join(prose_words(haystack, split)).encode("utf-8")).hexdigest()

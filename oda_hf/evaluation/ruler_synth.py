@@ -50,7 +50,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
-from .haystacks import HAYSTACKS, NOISE_LINE, NOISE_SENTENCES, SPLITS, check_haystack, check_split, prose_words
+from .haystacks import (
+    HAYSTACKS,
+    NOISE_LINE,
+    NOISE_SENTENCES,
+    PROSE_HAYSTACKS,
+    SPLITS,
+    check_haystack,
+    check_split,
+    prose_fingerprint,
+    prose_words,
+)
 from .metrics import default_metric
 from .suites import EvalExample, ruler_max_new_tokens, write_examples
 
@@ -320,7 +330,7 @@ def _niah(spec: NiahTask, ctx: _Context) -> _Builder:
     template, prefix = (NIAH_TEMPLATE_SINGLE, NIAH_ANSWER_PREFIX_SINGLE) if single else \
         (NIAH_TEMPLATE, NIAH_ANSWER_PREFIX)
     haystack = ctx.haystack if spec.haystack == "essay" else spec.haystack
-    prose = prose_words(haystack, ctx.split) if haystack != "noise" and haystack != "needle" else None
+    prose = prose_words(haystack, ctx.split) if haystack in PROSE_HAYSTACKS else None
     start = _sentence_start(prose, rng.randrange(len(prose))) if prose is not None else 0
     filler_seed = rng.getrandbits(64)
 
@@ -340,7 +350,9 @@ def _niah(spec: NiahTask, ctx: _Context) -> _Builder:
         return Draft(template.format(kind=kind, context=context, query=query),
                      prefix.format(kind=kind, query=query), list(answers),
                      {"depth": depths[primary], "needle_depths": depths, "haystack": haystack,
-                      "haystack_units": size, **({"haystack_start_word": start} if prose is not None else {}),
+                      "haystack_units": size,
+                      **({"haystack_start_word": start, "haystack_sha256": prose_fingerprint(haystack, ctx.split)}
+                         if prose is not None else {}),
                       **({"filler_variant": variant} if haystack == "needle" else {})})
 
     # A distractor needle is one coarse unit (~75 tokens with UUIDs); other draws of the distractors
@@ -661,7 +673,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--split", choices=SPLITS, default="test", help="seed namespace and prose text (default test)")
     parser.add_argument("--n", type=int, default=10, help="prompts per task and length (default 10)")
     parser.add_argument("--haystack", choices=HAYSTACKS, default="kjv",
-                        help="haystack of RULER's essay tasks: kjv (King James Bible) or noise (default kjv)")
+                        help="haystack of RULER's essay tasks: kjv (King James Bible, shipped), noise, or python-docs "
+                             "(Debian's python3.X-doc, read from the system) (default kjv)")
     parser.add_argument("--tasks", nargs="+", default=None, help=f"subset of: {' '.join(TASK_NAMES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-positions", type=int, default=None,
@@ -697,7 +710,7 @@ def run_ruler(args) -> int:
         examples = generate_suite(tokenizer, args.tasks, args.lengths, args.split, args.n, args.haystack, args.seed,
                                   max_positions, chat_template=not args.no_chat_template, tolerance=args.tolerance,
                                   progress=not args.no_progress)
-    except (ValueError, ImportError) as err:
+    except (ValueError, ImportError, FileNotFoundError) as err:
         raise SystemExit(f"oda ruler: {err}") from None
     seconds = time.perf_counter() - started
     manifest = {"tokenizer": args.tokenizer, "lengths": args.lengths, "split": args.split, "n": args.n,
