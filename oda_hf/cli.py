@@ -127,12 +127,13 @@ def _subcommands() -> list:
     from . import cost
     from .evaluation import calibrate_cli
     from .evaluation import cli as evaluation_cli
+    from .evaluation import ruler_synth
     from .organism import demo
     from .training import cache_cli
     from .training import cli as training_cli
 
     return [demo.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli, evaluation_cli.add_cli,
-            calibrate_cli.add_cli]
+            calibrate_cli.add_cli, ruler_synth.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

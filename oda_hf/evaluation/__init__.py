@@ -56,6 +56,8 @@ _EXPORTS = {
     "SharedPrefill": ".runner",
     "head_fingerprint": ".runner",
     "run_settings": ".runner",
+    "generate_suite": ".ruler_synth",
+    "write_suite": ".ruler_synth",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -87,5 +89,6 @@ if TYPE_CHECKING:
     from .suites import EvalExample, examples_from_organism, load_examples, load_longbench, load_ruler, write_examples
     from .trajectory import render_html, render_png, render_record, token_strings
     from .runner import SharedPrefill, head_fingerprint, run_settings
+    from .ruler_synth import generate_suite, write_suite
 
 __all__ = sorted(_EXPORTS)

@@ -89,13 +89,13 @@ def example_from_dict(record: dict, *, default_max_new_tokens: int | None = None
 
 def load_examples(source: str | os.PathLike | Iterable[dict], *, default_max_new_tokens: int | None = None,
                   tasks: Sequence[str] | None = None, limit: int | None = None) -> list[EvalExample]:
-    """Generic suite from a JSONL path or an iterable of dicts.
+    """Generic suite from a JSONL path, a directory of them (searched recursively) or an iterable of dicts.
 
     `tasks` keeps only those tasks; `limit` keeps the first `limit` examples of each task.
     Example ids must be unique (they key the resumable results file).
     """
     if isinstance(source, (str, os.PathLike)):
-        records = ((record, f"{source}:{line}") for line, record in _read_jsonl(source))
+        records = ((record, f"{path}:{line}") for path in _expand(source) for line, record in _read_jsonl(path))
     else:
         records = ((record, f"record {i}") for i, record in enumerate(source))
     examples = [example_from_dict(record, default_max_new_tokens=default_max_new_tokens, where=where)

@@ -1,0 +1,306 @@
+"""The offline RULER generator: determinism, exact lengths, depths, split disjointness, task
+definitions, metrics on hand-made cases and bad inputs. A tiny word-level tokenizer with a simple
+chat template stands in for a real one (one token per word or punctuation run)."""
+
+import json
+import lzma
+import re
+import shutil
+from collections import Counter
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from oda_hf.cli import main
+from oda_hf.evaluation import haystacks, ruler_synth
+from oda_hf.evaluation.metrics import score_example, string_match_all, string_match_part
+from oda_hf.evaluation.runner import encode_prompt
+from oda_hf.evaluation.suites import load_examples
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+NIAH = [t for t in ruler_synth.TASK_NAMES if t.startswith("niah")]
+
+
+def tiny_tokenizer(chat_template=True):
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def suite(tok):
+    return ruler_synth.generate_suite(tok, lengths=[1024, 2048], split="test", n=3, haystack="kjv", seed=0)
+
+
+def haystack_sentence(example):
+    """A long sentence of a prose haystack that is not a needle."""
+    sentences = [s for s in re.split(r"(?<=[.!?]) ", example.prompt.split("\n")[1])
+                 if len(s.split()) >= 8 and "special magic" not in s]
+    assert sentences, example.id
+    return sentences[0]
+
+
+def by_task(examples):
+    out = {}
+    for example in examples:
+        out.setdefault(example.task, []).append(example)
+    return out
+
+
+def test_all_eleven_tasks_with_ruler_caps_and_metrics(suite):
+    tasks = by_task(suite)
+    assert sorted(tasks) == sorted(ruler_synth.TASK_NAMES) and len(tasks) == 11
+    caps = {"vt": 30, "cwe": 120, "fwe": 50}
+    for example in suite:
+        assert example.max_new_tokens == caps.get(example.task, 128)
+        assert example.metric == "string_match_all"
+        assert example.meta["split"] == "test" and example.meta["chat_template"] is True
+        assert example.meta["generator"] == ruler_synth.GENERATOR
+    assert len({e.id for e in suite}) == len(suite) == 11 * 2 * 3
+
+
+def test_same_arguments_give_identical_examples_and_other_seeds_differ(tok, suite):
+    again = ruler_synth.generate_suite(tok, lengths=[1024, 2048], split="test", n=3, haystack="kjv", seed=0)
+    assert [e.to_dict() for e in again] == [e.to_dict() for e in suite]
+    other = ruler_synth.generate_suite(tok, tasks=["niah_single_2", "vt"], lengths=[1024], n=3, seed=1)
+    same_seed = [e for e in suite if e.task in ("niah_single_2", "vt") and e.meta["length"] == 1024]
+    assert all(a.answers != b.answers and a.prompt != b.prompt for a, b in zip(other, same_seed))
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_prompt_lengths_within_two_percent_as_eval_encodes_them(chat_template):
+    tok = tiny_tokenizer()
+    examples = ruler_synth.generate_suite(tok, lengths=[700, 1500, 3000], n=2, haystack="noise",
+                                          chat_template=chat_template)
+    for example in examples:
+        measured = len(encode_prompt(example, tok, chat_template=chat_template))
+        assert measured == example.meta["tokens"]
+        assert abs(measured - example.meta["length"]) <= 0.02 * example.meta["length"], example.id
+
+
+def test_lengths_with_the_prose_haystack(suite, tok):
+    for example in suite:
+        measured = len(encode_prompt(example, tok, chat_template=True))
+        assert measured == example.meta["tokens"]
+        assert abs(measured - example.meta["length"]) <= 0.02 * example.meta["length"], example.id
+
+
+def test_needle_depths_spread_over_the_context(tok):
+    examples = ruler_synth.generate_suite(tok, tasks=["niah_single_1", "niah_single_2", "niah_multikey_2"],
+                                          lengths=[2048], n=5)
+    for task, group in by_task(examples).items():
+        assert [e.meta["depth"] for e in group] == [0, 25, 50, 75, 100]
+        # Where the needle really is: its share of the haystack, between the instruction and the question.
+        shares = []
+        for example in group:
+            needle = f"is: {example.answers[0]}."
+            first, last = example.prompt.index("\n") + 1, example.prompt.rindex("\n")
+            shares.append((example.prompt.index(needle) - first) / (last - first))
+        assert shares == sorted(shares), (task, shares)
+        assert shares[0] < 0.05 and shares[-1] > 0.93 and abs(shares[2] - 0.5) < 0.08, (task, shares)
+
+
+def test_splits_are_disjoint_in_seeds_needles_and_haystack_text(tok):
+    splits = {split: ruler_synth.generate_suite(tok, lengths=[1024], split=split, n=4, haystack="kjv")
+              for split in haystacks.SPLITS}
+    seeds = [e.meta["example_seed"] for examples in splits.values() for e in examples]
+    assert len(set(seeds)) == len(seeds)
+    # Needle values and variable names never repeat across splits (cwe/fwe draw from small word
+    # pools, so single words may; their answer lists still differ).
+    answers = {split: {a for e in examples for a in e.answers if e.task not in ("cwe", "fwe")}
+               for split, examples in splits.items()}
+    assert not answers["train"] & answers["test"] and not answers["train"] & answers["dev"]
+    assert not answers["dev"] & answers["test"]
+    lists = [tuple(e.answers) for examples in splits.values() for e in examples]
+    assert len(set(lists)) == len(lists)
+    texts = {split: " ".join(haystacks.prose_words("kjv", split)) for split in haystacks.SPLITS}
+    for split, examples in splits.items():
+        for example in examples:
+            if example.meta["haystack"] != "kjv":
+                continue
+            # A stretch of the haystack (a sentence away from the needles) comes from its own split only.
+            owners = [other for other, text in texts.items() if haystack_sentence(example) in text]
+            assert owners == [split], (example.id, owners)
+
+
+def test_kjv_text_is_checked_and_split_by_testament():
+    verses = haystacks.kjv_verses()
+    assert len(verses) == 31102 and verses[0][1].startswith("In the beginning God created")
+    books = [book for book, _ in verses]
+    assert sorted(set(books)) == sorted(sum(haystacks.KJV_SPLIT_BOOKS.values(), ()))
+    split_books = [set(b) for b in haystacks.KJV_SPLIT_BOOKS.values()]
+    assert sum(len(b) for b in split_books) == len(set().union(*split_books)) == 66
+    sizes = {split: len(haystacks.prose_words("kjv", split)) for split in haystacks.SPLITS}
+    assert sizes["train"] > 500_000 and sizes["test"] > 100_000 and sizes["dev"] > 70_000
+
+
+def test_niah_needles_and_queries_follow_ruler(suite):
+    for example in (e for e in suite if e.task.startswith("niah")):
+        spec = ruler_synth.TASKS[example.task]
+        kind = spec.value_type
+        needles = re.findall(rf"One of the special magic {kind} for (\S+) is: (\S+)\.", example.prompt)
+        values = {value for _, value in needles}
+        assert set(example.answers) <= values, example.id
+        assert len(example.answers) == spec.num_values * spec.num_queries
+        single = len(example.answers) == 1
+        head = "A special magic" if single else "Some special magic"
+        assert example.prompt.startswith(f"{head} {kind[:-1] if single else kind} ")
+        assert example.answer_prefix.endswith(" is" if single else " are")
+        queried = [key for key, value in needles if value in example.answers]
+        for key in queried:
+            assert key in example.answer_prefix and key in example.prompt.rsplit("\n", 1)[1]
+        if spec.haystack == "needle":  # distractors: many needles, only the queried one answers
+            assert len(needles) > 10 and len({k for k, _ in needles}) == len(needles)
+        else:
+            assert len(needles) == max(spec.num_keys, spec.num_queries) * spec.num_values
+        if kind == "numbers":
+            assert all(re.fullmatch(r"\d{7}", a) for a in example.answers)
+        depths = example.meta["needle_depths"]
+        assert len(set(depths)) == len(depths) and example.meta["depth"] in depths
+
+
+def test_vt_chain_is_in_the_prompt(suite):
+    for example in by_task(suite)["vt"]:
+        names = example.answers
+        assert len(names) == 5 and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
+        value = re.search(r"assigned the value (\d{5}) in the text above\.$", example.prompt).group(1)
+        main_prompt = example.prompt.split("\n\nMemorize and track")[1]  # after the solved example
+        lines = main_prompt.split("\n")
+        chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[i + 1]} = VAR {names[i]}" for i in range(4)]
+        positions = [lines.index(line) for line in chain]
+        assert positions == sorted(positions)
+        assert f"5 variables are assigned the value {value}, they are: " in example.answer_prefix
+        # The solved example in front answers its own chain of 3-letter names.
+        assert re.search(r"they are: [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3}\n", example.prompt)
+
+
+def test_cwe_common_words_are_the_most_frequent(suite):
+    for example in by_task(suite)["cwe"]:
+        main_list = example.prompt.rsplit("Memorize the ones that appear most often.\n", 1)[1].split("\nQuestion")[0]
+        counts = Counter(re.findall(r"\d+\. (\S+)", main_list))
+        small = example.meta["length"] + 120 < 4096
+        common, uncommon = (6, 1) if small else (30, 3)
+        assert sorted(example.answers) == sorted(w for w, c in counts.items() if c == common)
+        assert all(c == uncommon for w, c in counts.items() if w not in example.answers)
+        assert example.prompt.count("Question: What are the 10 most common words in the above list?") == 2
+
+
+def test_fwe_answers_are_the_three_most_frequent_coded_words(suite):
+    for example in by_task(suite)["fwe"]:
+        text = example.prompt.split("coded words. ", 1)[1].split("\nQuestion")[0]
+        ranked = [w for w, _ in Counter(text.split()).most_common()]
+        assert ranked[0] == "..." and ranked[1:4] == example.answers
+        counts = Counter(text.split())
+        assert counts[example.answers[0]] > counts[example.answers[1]] > counts[example.answers[2]] > counts[ranked[4]]
+
+
+def test_ruler_metrics_on_hand_made_cases():
+    assert string_match_all(" 1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
+    assert string_match_all("only 1234567", ["1234567", "7654321", "1111111", "2222222"]) == 0.25
+    assert string_match_all("  ABCDE\x00bcdef ", ["abcde", "BCDEF", "XYZZY"]) == pytest.approx(2 / 3)
+    assert string_match_all("nothing", ["1234567"]) == 0.0
+    assert string_match_part("the answer is Paris", ["London", "paris"]) == 1.0
+    assert string_match_part("the answer is Rome", ["London", "paris"]) == 0.0
+
+
+def test_generated_records_score_as_ruler_would(suite):
+    for example in suite:
+        full = " " + ", ".join(example.answers) + "."
+        assert score_example(example.metric, full, example.answers) == 1.0
+        if len(example.answers) > 1:
+            partial = " ".join(example.answers[1:])
+            expected = (len(example.answers) - 1) / len(example.answers)
+            assert score_example(example.metric, partial, example.answers) == pytest.approx(expected)
+
+
+def test_written_suite_loads_back_for_oda_eval(tmp_path, suite):
+    paths = ruler_synth.write_suite(suite, tmp_path, manifest={"tokenizer": "tiny"})
+    assert sorted(p.split("/")[-2] for p in paths) == ["1024"] * 11 + ["2048"] * 11
+    loaded = load_examples(tmp_path / "2048" / "vt.jsonl")
+    original = [e for e in suite if e.task == "vt" and e.meta["length"] == 2048]
+    assert [e.to_dict() for e in loaded] == [e.to_dict() for e in original]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["examples"] == len(suite) and manifest["max_length_deviation"] <= 0.02
+
+
+def test_cli_writes_a_suite(tmp_path):
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    out = tmp_path / "suite"
+    assert main(["ruler", "--tokenizer", str(tmp_path / "tok"), "--lengths", "1024", "--n", "2", "--tasks",
+                 "niah_single_1", "vt", "--max-positions", "2048", "--out", str(out), "--no-progress"]) == 0
+    examples = load_examples(out / "1024" / "niah_single_1.jsonl")
+    assert [e.meta["depth"] for e in examples] == [0, 100]
+    with pytest.raises(SystemExit, match="valid tasks: niah_single_1"):
+        main(["ruler", "--tokenizer", str(tmp_path / "tok"), "--lengths", "1024", "--tasks", "niah_single_4",
+              "--out", str(out), "--no-progress"])
+
+
+def test_bad_inputs_have_clear_errors(tok):
+    with pytest.raises(ValueError, match=r"max_position_embeddings=2048.*longest usable length for niah_single_1 is 1920"):
+        ruler_synth.generate_suite(tok, tasks=["niah_single_1"], lengths=[2000], max_position_embeddings=2048)
+    with pytest.raises(ValueError, match="valid tasks: niah_single_1, .*, fwe"):
+        ruler_synth.generate_suite(tok, tasks=["niah_single_9"], lengths=[1024])
+    with pytest.raises(ValueError, match="SQuAD/HotpotQA"):
+        ruler_synth.generate_suite(tok, tasks=["qa_1"], lengths=[1024])
+    with pytest.raises(ValueError, match="vt needs at least .* too small"):
+        ruler_synth.generate_suite(tok, tasks=["vt"], lengths=[100])
+    with pytest.raises(ValueError, match="Unknown split"):
+        ruler_synth.generate_suite(tok, lengths=[1024], split="validation")
+    with pytest.raises(ValueError, match="Unknown haystack"):
+        ruler_synth.generate_suite(tok, lengths=[1024], haystack="essay")
+    with pytest.raises(ValueError, match="no chat template"):
+        ruler_synth.generate_suite(tiny_tokenizer(chat_template=False), lengths=[1024])
+    with pytest.raises(ValueError, match="positive integer"):
+        ruler_synth.generate_suite(tok, lengths=[1024], n=0)
+
+
+def test_a_length_folder_loads_as_one_suite(tmp_path, suite):
+    ruler_synth.write_suite(suite, tmp_path)
+    loaded = load_examples(tmp_path / "1024")
+    assert sorted(e.id for e in loaded) == sorted(e.id for e in suite if e.meta["length"] == 1024)
+
+
+def test_kjv_export_names_the_debian_packages_when_the_program_is_missing():
+    with pytest.raises(FileNotFoundError, match="apt-get install bible-kjv bible-kjv-text"):
+        haystacks.export_kjv(program="no-such-bible-program")
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="Debian's bible-kjv is not installed")
+def test_kjv_export_reproduces_the_shipped_text(tmp_path):
+    text = haystacks.export_kjv(tmp_path / "kjv.txt.xz")
+    with lzma.open(tmp_path / "kjv.txt.xz", "rt", encoding="utf-8") as f:
+        assert f.read() == text
+    assert len(text.splitlines()) == len(haystacks.kjv_verses())
+
+
+def test_python_docs_haystack_names_the_debian_package_when_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
+    with pytest.raises(FileNotFoundError, match=r"apt-get install python3\.11-doc"):
+        haystacks.python_docs_root()
+
+
+def test_python_docs_root_picks_the_newest_version(monkeypatch, tmp_path):
+    for version in ("3.9", "3.11", "3.10"):
+        (tmp_path / f"python{version}" / "html").mkdir(parents=True)
+    monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
+    assert haystacks.python_docs_root() == str(tmp_path / "python3.11" / "html")
+
+
+@pytest.mark.skipif(not __import__("glob").glob(haystacks.PYTHON_DOCS_GLOB), reason="no python3.X-doc installed")
+def test_python_docs_haystack_uses_its_split_sections(tok):
+    examples = ruler_synth.generate_suite(tok, tasks=["niah_single_2"], lengths=[1024], n=2, haystack="python-docs")
+    test_text = " ".join(haystacks.prose_words("python-docs", "test"))
+    for example in examples:
+        assert example.meta["haystack"] == "python-docs" and len(example.meta["haystack_sha256"]) == 64
+        assert abs(example.meta["tokens"] - 1024) <= 0.02 * 1024
+        assert haystack_sentence(example) in test_text
