@@ -8,7 +8,7 @@ prompt templates, answer prefixes, output caps (``tokens_to_generate``) and metr
   "One of the special magic {numbers|uuids} for {key} is: {value}." in a haystack; keys are
   adjective-noun words (wonderwords' lists, as RULER) or UUIDs, values 7-digit numbers or UUIDs.
   Haystacks per RULER: ``noise`` (single_1), prose (single_2/3, multikey_1, multivalue, multiquery:
-  RULER's "essay"; here the `haystack` argument, ``kjv`` or ``noise``), distractor needles
+  RULER's "essay"; here the `haystack` argument: ``kjv``, ``noise`` or ``python-docs``), distractor needles
   (multikey_2/3).
 * ``vt``: variable tracking, one chain of 4 hops (``VAR X = 12345``, ``VAR Y = VAR X``, ...) in
   noise, with one short solved example in front (RULER's few-shot example).
