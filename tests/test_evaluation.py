@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig
 from oda_hf.evaluation import diagnostics, metrics, report, runner, stats, suites, trajectory
 from oda_hf.evaluation.cli import add_cli
+from oda_hf.head import base_fingerprint
 from reference import replay_logits
 from tiny_models import VOCAB, tiny_model
 
@@ -541,7 +542,7 @@ def test_records_and_manifest_carry_the_settings(tmp_path):
     model, _, examples, _, path, records = _first_run(tmp_path)
     manifest = json.loads((tmp_path / "results.manifest.json").read_text())
     head = runner.head_fingerprint(model.recall_head)
-    assert manifest["settings"] == {"model": None, "dtype": "float32", "head_sha256": head, "sinks": 2, "window": 4,
+    assert manifest["settings"] == {"model": base_fingerprint(model.base_model), "dtype": "float32", "head_sha256": head, "sinks": 2, "window": 4,
                                     "chat_template": False}
     assert set(manifest["versions"]) == {"oda_hf", "transformers", "torch"}
     for record in records:
@@ -706,7 +707,8 @@ def test_cli_eval_and_diagnose(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4 and all(r["max_new_tokens"] == 5 for r in records)
     assert {r["policy"] for r in records} == {"full", "streamingllm", "oda@0", "random~oda@0/seed42"}
-    assert json.loads((out / "manifest.json").read_text())["settings"]["model"] == str(tmp_path / "base")
+    saved_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    assert json.loads((out / "manifest.json").read_text())["settings"]["model"] == base_fingerprint(saved_base)
     rerun = [a if a != "4" else "5" for a in ["eval", *common, "--data", str(suite), "--policies", "full", "--out",
                                              str(out), "--no-progress"]]
     args = parser.parse_args(rerun)  # --window 5 into the same --out

@@ -233,16 +233,17 @@ def test_written_suite_loads_back_for_oda_eval(tmp_path, suite):
     assert manifest["examples"] == len(suite) and manifest["max_length_deviation"] <= 0.02
 
 
-def test_cli_writes_a_suite(tmp_path):
+def test_cli_writes_a_suite(tmp_path, capsys):
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     out = tmp_path / "suite"
     assert main(["ruler", "--tokenizer", str(tmp_path / "tok"), "--lengths", "1024", "--n", "2", "--tasks",
                  "niah_single_1", "vt", "--max-positions", "2048", "--out", str(out), "--no-progress"]) == 0
     examples = load_examples(out / "1024" / "niah_single_1.jsonl")
     assert [e.meta["depth"] for e in examples] == [0, 100]
-    with pytest.raises(SystemExit, match="valid tasks: niah_single_1"):
-        main(["ruler", "--tokenizer", str(tmp_path / "tok"), "--lengths", "1024", "--tasks", "niah_single_4",
-              "--out", str(out), "--no-progress"])
+    assert main(["ruler", "--tokenizer", str(tmp_path / "tok"), "--lengths", "1024", "--tasks", "niah_single_4",
+                 "--out", str(out), "--no-progress"]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith("oda ruler: error:") and "valid tasks: niah_single_1" in last_line
 
 
 def test_bad_inputs_have_clear_errors(tok):

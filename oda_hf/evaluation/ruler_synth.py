@@ -698,20 +698,20 @@ def _max_positions(path: str) -> int | None:
 
 
 def run_ruler(args) -> int:
-    from transformers import AutoTokenizer
+    from ..cli_common import UsageError, load_tokenizer
 
     max_positions = args.max_positions if args.max_positions is not None else _max_positions(args.tokenizer)
     if max_positions is None:
         logger.warning("No model config found next to the tokenizer: lengths are not checked against the model's "
                        "max_position_embeddings (pass --max-positions).")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, args.tokenizer)
     started = time.perf_counter()
     try:
         examples = generate_suite(tokenizer, args.tasks, args.lengths, args.split, args.n, args.haystack, args.seed,
                                   max_positions, chat_template=not args.no_chat_template, tolerance=args.tolerance,
                                   progress=not args.no_progress)
     except (ValueError, ImportError, FileNotFoundError) as err:
-        raise SystemExit(f"oda ruler: {err}") from None
+        raise UsageError(str(err)) from None
     seconds = time.perf_counter() - started
     manifest = {"tokenizer": args.tokenizer, "lengths": args.lengths, "split": args.split, "n": args.n,
                 "haystack": args.haystack, "tasks": args.tasks or list(TASK_NAMES), "seed": args.seed,

@@ -232,8 +232,11 @@ def prompt_fingerprint(input_ids: Sequence[int]) -> str:
 
 def run_settings(model, chat_template: bool = False) -> dict:
     """The settings that change every record of a run (policy, output cap and prompt are per record)."""
+    from ..head import base_fingerprint
+
     return {
-        "model": getattr(model.config, "_name_or_path", None) or None,
+        # The weights identify the model, not the path it was loaded from (a moved folder is the same model).
+        "model": base_fingerprint(getattr(model, "base_model", model)),
         "dtype": str(model.dtype).removeprefix("torch."),
         "head_sha256": head_fingerprint(getattr(model, "recall_head", None)),
         "sinks": model.oda_config.sinks, "window": model.oda_config.window,

@@ -47,6 +47,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from ..head import base_fingerprint as weights_fingerprint
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
 from .losses import regression_target, token_losses
@@ -60,8 +61,6 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 #: Manifest keys that must agree for a cache to be resumed or trained from.
 IDENTITY_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "seq_len", "data_sha256", "rows",
                  "rows_per_shard", "dtype", "hidden_size")
-FINGERPRINT_IGNORED = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_internal",
-                       "_attn_implementation", "_commit_hash")
 
 
 def rows_sha256(rows: Sequence[dict]) -> str:
@@ -76,21 +75,13 @@ def rows_sha256(rows: Sequence[dict]) -> str:
 
 
 def base_fingerprint(model) -> str:
-    """sha256 of the base model's config and of its input-embedding and last parameter tensors.
+    """The base's weights fingerprint (`oda_hf.head.base_fingerprint`) combined with the dtype it runs in.
 
-    Cheap (no full weight hash) yet changes with the architecture, the vocabulary and a fine-tune of the
-    last layers; the head trains on this model's hidden states, so a different base must not reuse them.
+    The head trains on this model's hidden states, so another base, or the same one in another dtype,
+    must not reuse them; where the model was loaded from does not matter.
     """
     base = model.base_model if isinstance(model, OdaForCausalLM) else model
-    config = base.config.get_text_config(decoder=True).to_dict()
-    for key in FINGERPRINT_IGNORED:  # where the model was loaded from / with which library version: same weights
-        config.pop(key, None)
-    config["loaded_dtype"] = str(base.dtype)  # the cached hidden states are computed in this dtype
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    parameters = [base.get_input_embeddings().weight, list(base.parameters())[-1]]
-    for tensor in parameters:
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return hashlib.sha256(f"{weights_fingerprint(base)}|{base.dtype}".encode()).hexdigest()
 
 
 def _shard_name(index: int, count: int) -> str:
