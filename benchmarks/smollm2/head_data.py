@@ -1,0 +1,76 @@
+"""Training documents for the SmolLM2-135M-Instruct recall head, from the library's public pieces.
+
+The mix (why):
+* RULER's *train* split (`oda ruler`'s generator, Old Testament prose and RULER's noise as haystacks,
+  seeds disjoint from dev/test) with the gold answer appended after the answer prefix, as the model
+  would write it, then `<|im_end|>`: the positions where Full pays at decode time on RULER are the
+  retrieved tokens, and only teacher-forced answers put them into the supervision.
+* Plain Old Testament prose (the train split of the KJV text, never used by dev/test prompts): the
+  general long-context positions the paper trains on, so the head also learns where Full does *not* pay.
+
+Evaluation prompts use the dev (Romans-Revelation) and test (Matthew-Acts) text and their own seeds.
+
+    python benchmarks/smollm2/head_data.py --tokenizer <smollm2 folder> --out train.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from oda_hf.evaluation.haystacks import prose_words
+from oda_hf.evaluation.ruler_synth import generate_suite
+from oda_hf.evaluation.runner import encode_prompt
+
+
+def answer_ids(example, tokenizer) -> list[int]:
+    """The gold answer as a continuation of the answer prefix, ending with the end-of-turn token."""
+    text = " " + ", ".join(example.answers)
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def ruler_documents(tokenizer, lengths, n, seed) -> list[dict]:
+    examples = generate_suite(tokenizer, lengths=lengths, split="train", n=n, haystack="kjv", seed=seed,
+                              max_position_embeddings=8192, progress=True)
+    return [{"id": e.id, "input_ids": encode_prompt(e, tokenizer, chat_template=True) + answer_ids(e, tokenizer)}
+            for e in examples]
+
+
+def prose_documents(tokenizer, count, tokens, seed) -> list[dict]:
+    words = prose_words("kjv", "train")
+    rng = random.Random(seed)
+    documents = []
+    for index in range(count):
+        start = rng.randrange(len(words) - 2 * tokens)
+        ids = tokenizer(" ".join(words[start:start + 2 * tokens]), add_special_tokens=False)["input_ids"][:tokens]
+        documents.append({"id": f"kjv-train/{index}", "input_ids": ids})
+    return documents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048])
+    parser.add_argument("--n", nargs="+", type=int, default=[6, 4], help="prompts per task, one per length")
+    parser.add_argument("--prose", type=int, default=16, help="prose documents")
+    parser.add_argument("--prose-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    documents = []
+    for length, n in zip(args.lengths, args.n, strict=True):
+        documents += ruler_documents(tokenizer, [length], n, args.seed)
+    documents += prose_documents(tokenizer, args.prose, args.prose_tokens, args.seed)
+    with open(args.out, "w", encoding="utf-8") as f:
+        for document in documents:
+            f.write(json.dumps(document) + "\n")
+    tokens = sum(len(d["input_ids"]) for d in documents)
+    print(f"{len(documents)} documents, {tokens} tokens -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
