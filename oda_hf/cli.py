@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
+from .known_models import base_argument, head_argument
 
 
 def parse_policy(text: str):
@@ -33,9 +34,9 @@ def parse_policy(text: str):
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
-    parser.add_argument("--head", default=None, help="recall head: hub id or local folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
+    parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
+    parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2)")
+    parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token")
     parser.add_argument("--threshold", type=float, default=None, help="head threshold theta (default: the head's saved one, else 0)")
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommands() -> list:
     """Subcommands defined next to the code they drive (each module has add_cli(subparsers))."""
-    from . import cost
+    from . import cost, known_models
     from .evaluation import calibrate_cli
     from .evaluation import cli as evaluation_cli
     from .evaluation import ruler_synth
@@ -132,8 +133,8 @@ def _subcommands() -> list:
     from .training import cache_cli
     from .training import cli as training_cli
 
-    return [demo.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli, evaluation_cli.add_cli,
-            calibrate_cli.add_cli, ruler_synth.add_cli]
+    return [demo.add_cli, known_models.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli,
+            evaluation_cli.add_cli, calibrate_cli.add_cli, ruler_synth.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

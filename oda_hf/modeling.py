@@ -25,6 +25,7 @@ from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
 from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
 from .head import RecallHead
+from .known_models import resolve_base, resolve_head
 from .loading import HEAD_MODEL_TYPE, read_model_type, resolve_local_folder
 from .routing import RoutingRecord
 
@@ -84,7 +85,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         Args:
             base: hub id, local folder, or an already loaded ``*ForCausalLM`` / peft ``PeftModel``. A recall
                 head's folder (or hub id) alone also works: the base model it records is loaded with it.
-            head: a `RecallHead`, a hub id or folder of one, or None with a non-learned policy.
+                Short names: ``"smollm2"`` (after ``oda fetch smollm2``) and ``"organism"`` (shipped).
+            head: a `RecallHead`, a hub id or folder of one, the short name of a head shipped in the package
+                (``"organism"``, ``"smollm2"``), or None with a non-learned policy.
             oda_config: routing defaults; the keyword arguments ``sinks``, ``window``, ``threshold``
                 and ``policy`` override single fields.
             head_kwargs: extra arguments for `RecallHead.from_pretrained` (``revision``, ``token``...).
@@ -93,6 +96,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         routing = {key: kwargs.pop(key) for key in ROUTING_KEYS if key in kwargs}
         if routing:
             OdaConfig.from_kwargs(**routing)  # bad routing values fail before anything is loaded
+        base, head = resolve_base(base), resolve_head(head)  # short names: "smollm2", "organism"
         if isinstance(base, (str, os.PathLike)):
             base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
         if isinstance(head, (str, os.PathLike)):

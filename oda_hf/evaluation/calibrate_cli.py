@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype, user_input
+from ..known_models import base_argument
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -17,9 +18,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         "calibrate", help="choose the head's threshold on dev prompts (Full-call budget or score tolerance)",
         description="Greedy generation on dev prompts at several thresholds; saves the chosen threshold in the "
                     "head folder's oda_config.json and the sweep in calibration.json (resumable).")
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--head", required=True, help="recall head folder (the threshold is written into it)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
+    parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's)")
     parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's)")
     parser.add_argument("--dtype", type=dtype_name, default="float32", help="base model dtype (default float32)")

@@ -13,6 +13,7 @@ import sys
 
 from ..cli_common import (UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype,
                           user_input)
+from ..known_models import base_argument, head_argument
 
 RESULTS_FILE = "results.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -90,9 +91,9 @@ def add_cli(subparsers) -> None:
 
 
 def _model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--base", required=required, help="base causal LM: hub id or local folder")
-    parser.add_argument("--head", default=None, help="recall head: hub id or local folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (default: --base)")
+    parser.add_argument("--base", type=base_argument, required=required, help="base causal LM: hub id, local folder, or smollm2 / organism")
+    parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2)")
+    parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. the current token")
     parser.add_argument("--dtype", type=dtype_name, default="float32",

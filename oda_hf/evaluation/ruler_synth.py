@@ -61,6 +61,7 @@ from .haystacks import (
     prose_fingerprint,
     prose_words,
 )
+from ..known_models import base_argument
 from .metrics import default_metric
 from .suites import EvalExample, ruler_max_new_tokens, write_examples
 
@@ -667,7 +668,7 @@ def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "ruler", help="generate RULER's synthetic suite offline (11 tasks) at exact token lengths",
         description="Writes OUT/<length>/<task>.jsonl for `oda eval --suite jsonl --chat-template --data OUT/<length>`.")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer folder or id (its chat template is applied)")
+    parser.add_argument("--tokenizer", type=base_argument, required=True, help="tokenizer folder or id (its chat template is applied)")
     parser.add_argument("--lengths", nargs="+", type=int, required=True,
                         help="prompt token counts (after chat template and answer prefix)")
     parser.add_argument("--split", choices=SPLITS, default="test", help="seed namespace and prose text (default test)")

@@ -11,6 +11,7 @@ import time
 
 from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
                           user_input)
+from ..known_models import base_argument
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -19,10 +20,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         description="Paired supervision (H after tau_hist, E, L, gains) of every packed row, at eligible positions, "
                     "into safetensors shards + manifest.json (resumable: a rerun skips finished shards). Train "
                     "from it with `oda train-head --from-cache`.")
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--data", required=True, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
     parser.add_argument("--output", required=True, help="cache folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer id or folder (needed for text records)")
+    parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (needed for text records)")
     parser.add_argument("--sinks", type=int, default=4, help="sink positions s (default 4)")
     parser.add_argument("--window", type=int, default=2048, help="recent window w incl. current token (default 2048)")
     parser.add_argument("--tau-hist", type=float, default=0.001, help="history threshold tau_hist (default 0.001)")

@@ -20,18 +20,19 @@ import sys
 
 from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
                           user_input)
+from ..known_models import base_argument
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train-head", help="train a recall head on paired supervision (head-only checkpoints)",
                                    description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="base causal LM: hub id or local folder")
+    parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--data", default=None, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
     parser.add_argument("--from-cache", default=None,
                         help="train on a supervision cache from `oda cache-supervision` instead of --data (no backbone "
                              "pass per update; s, w and tau_hist come from the cache)")
     parser.add_argument("--output", required=True, help="output folder (checkpoints and the final head)")
-    parser.add_argument("--tokenizer", default=None,
+    parser.add_argument("--tokenizer", type=base_argument, default=None,
                         help="tokenizer id or folder for text records (default: --base's, if it has one)")
     parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default 4)")
     parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token (default 2048)")

