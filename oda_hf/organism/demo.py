@@ -129,7 +129,14 @@ def _write_trajectory(trajectory: dict, output: str) -> dict:
 
 
 def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="the shipped model organism: Full vs StreamingLLM vs ODA, offline")
+    parser = subparsers.add_parser(
+        "demo", help="Full vs StreamingLLM vs ODA on held-out prompts: SmolLM2 with its shipped head, else the organism",
+        description="With a SmolLM2 head (shipped, or --head) the demo runs the real SmolLM2-135M-Instruct on RULER "
+                    "test prompts (fetching the model on first use); otherwise, or offline, the shipped model organism.")
+    parser.add_argument("--model", choices=("auto", "smollm2", "organism"), default="auto",
+                        help="auto (default): smollm2 when a SmolLM2 head is available and the model can be had, else "
+                             "the organism")
+    parser.add_argument("--head", default=None, help="recall head folder for --model smollm2 (default: the shipped one)")
     parser.add_argument("--organism", default=None, help="organism folder (default: the one shipped in the package)")
     parser.add_argument("--output", default="oda_demo", help="folder for trajectory.html / trajectory.png")
     parser.add_argument("--threshold", type=float, default=None,
@@ -143,6 +150,8 @@ def _run_demo_command(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.model != "organism" and args.organism is None and _run_smollm2(args):
+        return 0
     prompts = DEMO_PROMPTS
     if args.tasks:
         wanted = args.tasks.split(",")
@@ -155,6 +164,33 @@ def _run_demo_command(args) -> int:
         raise UsageError(f"--organism: {problem}")
     run_demo(args.organism, args.output, prompts=prompts, threshold=args.threshold)
     return 0
+
+
+def _run_smollm2(args) -> bool:
+    """Run the SmolLM2 demo if it can run; say why not (and fall back to the organism) where it cannot."""
+    from ..known_models import FetchError, resolve_head
+
+    head = args.head
+    if head is None:
+        try:
+            head = resolve_head("smollm2")
+        except FileNotFoundError as err:
+            if args.model == "smollm2":
+                raise UsageError(f"{err} Pass --head <folder>.") from None
+            print(f"[oda demo] {err} Running the model organism instead.\n")
+            return False
+    elif not os.path.isdir(head):
+        raise UsageError(f"--head {head} does not exist.")
+    from ..smollm2_demo import run_smollm2_demo
+
+    try:
+        run_smollm2_demo(head, args.output, threshold=args.threshold)
+    except FetchError as err:
+        if args.model == "smollm2":
+            raise UsageError(str(err)) from None
+        print(f"[oda demo] SmolLM2 is not available here ({err}). Running the model organism instead.\n")
+        return False
+    return True
 
 
 def main(argv=None) -> int:
