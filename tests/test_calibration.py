@@ -12,6 +12,7 @@ import torch
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.cli_common import UsageError
 from oda_hf.evaluation import calibrate_cli, calibration, runner, suites
+from oda_hf.known_models import file_sha256
 from tiny_models import VOCAB, tiny_model
 
 GRID = [-0.05, 0.0, 0.05, 0.1]  # the tiny random head scores about -0.03 .. 0.08
@@ -116,7 +117,7 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
     args = parser.parse_args(command)
     assert args.func(args) == 0
     saved = json.loads((head_dir / "calibration.json").read_text())
-    assert saved["dev_sha256"] == calibration.file_sha256(tmp_path / "dev.jsonl") and "test" in saved
+    assert saved["dev_sha256"] == file_sha256(tmp_path / "dev.jsonl") and "test" in saved
     loaded = OdaForCausalLM.from_pretrained(str(base_dir), head=str(head_dir))
     assert loaded.oda_config.threshold == saved["chosen"]["threshold"] and saved["chosen"]["pooled_full_call_rate"] <= 0.5
     with pytest.raises(UsageError, match="--target-rate"):

@@ -49,7 +49,8 @@ def run_cli(args) -> int:
     import torch
 
     from ..modeling import OdaForCausalLM
-    from .calibration import DEFAULT_GRID, _check_rate, calibrate, file_sha256, save_calibration
+    from ..known_models import file_sha256
+    from .calibration import DEFAULT_GRID, _check_rate, calibrate, save_calibration
     from .suites import load_examples
 
     if args.target_rate is not None:

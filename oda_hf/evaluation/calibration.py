@@ -26,7 +26,6 @@ resumes where it stopped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -182,10 +181,3 @@ def save_calibration(head_dir: str | os.PathLike, oda_config, result: dict) -> s
         json.dump(result, f, indent=1)
     return os.path.join(head_dir, ODA_CONFIG_NAME)
 
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
