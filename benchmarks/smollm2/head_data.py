@@ -9,8 +9,13 @@ The mix (why):
   general long-context positions the paper trains on, so the head also learns where Full does *not* pay.
 
 Evaluation prompts use the dev (Romans-Revelation) and test (Matthew-Acts) text and their own seeds.
+`--split dev|test --reference-window K` writes held-out reference sequences for `oda diagnose`: each RULER
+document's scored positions start K tokens before its answer (the question and the answer itself), as the
+decode positions of an evaluation are there; prose documents keep the default window.
 
     python benchmarks/smollm2/head_data.py --tokenizer <smollm2 folder> --out train.jsonl
+    python benchmarks/smollm2/head_data.py --tokenizer <smollm2 folder> --split dev --reference-window 32 \
+        --n 2 2 --prose 8 --out dev_references.jsonl
 """
 
 from __future__ import annotations
@@ -30,21 +35,27 @@ def answer_ids(example, tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def ruler_documents(tokenizer, lengths, n, seed) -> list[dict]:
-    examples = generate_suite(tokenizer, lengths=lengths, split="train", n=n, haystack="kjv", seed=seed,
+def ruler_documents(tokenizer, lengths, n, seed, split="train", reference_window=None) -> list[dict]:
+    examples = generate_suite(tokenizer, lengths=lengths, split=split, n=n, haystack="kjv", seed=seed,
                               max_position_embeddings=8192, progress=True)
-    return [{"id": e.id, "input_ids": encode_prompt(e, tokenizer, chat_template=True) + answer_ids(e, tokenizer)}
-            for e in examples]
+    documents = []
+    for e in examples:
+        prompt, answer = encode_prompt(e, tokenizer, chat_template=True), answer_ids(e, tokenizer)
+        document = {"id": e.id, "input_ids": prompt + answer}
+        if reference_window is not None:  # score the question's end and the answer (the decode positions)
+            document |= {"start": len(prompt) - reference_window, "count": reference_window + len(answer) - 1}
+        documents.append(document)
+    return documents
 
 
-def prose_documents(tokenizer, count, tokens, seed) -> list[dict]:
-    words = prose_words("kjv", "train")
+def prose_documents(tokenizer, count, tokens, seed, split="train") -> list[dict]:
+    words = prose_words("kjv", split)
     rng = random.Random(seed)
     documents = []
     for index in range(count):
         start = rng.randrange(len(words) - 2 * tokens)
         ids = tokenizer(" ".join(words[start:start + 2 * tokens]), add_special_tokens=False)["input_ids"][:tokens]
-        documents.append({"id": f"kjv-train/{index}", "input_ids": ids})
+        documents.append({"id": f"kjv-{split}/{index}", "input_ids": ids})
     return documents
 
 
@@ -57,14 +68,17 @@ def main() -> None:
     parser.add_argument("--prose", type=int, default=16, help="prose documents")
     parser.add_argument("--prose-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", choices=("train", "dev", "test"), default="train")
+    parser.add_argument("--reference-window", type=int, default=None,
+                        help="diagnostics files: score RULER documents from this many tokens before the answer")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     documents = []
     for length, n in zip(args.lengths, args.n, strict=True):
-        documents += ruler_documents(tokenizer, [length], n, args.seed)
-    documents += prose_documents(tokenizer, args.prose, args.prose_tokens, args.seed)
+        documents += ruler_documents(tokenizer, [length], n, args.seed, args.split, args.reference_window)
+    documents += prose_documents(tokenizer, args.prose, args.prose_tokens, args.seed, args.split)
     with open(args.out, "w", encoding="utf-8") as f:
         for document in documents:
             f.write(json.dumps(document) + "\n")
