@@ -1,0 +1,96 @@
+"""One table (and plot) of SmolLM2 RULER results over lengths, from `oda eval` output folders.
+
+    python benchmarks/smollm2/summarize.py runs/smollm2/baselines --out benchmarks/results/smollm2_ruler_baselines
+
+reads `<folder>/<length>/results.jsonl` for every length folder present and writes `<out>.md` (per task and length:
+each policy group's score in percent, Random as mean over seeds, with the number of prompts; macro row; pooled
+Full-call rates) and `<out>.png` (macro score against length). Partial runs are summarised as they stand; the
+table says how many prompts each cell has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from oda_hf.evaluation.report import summarize, task_order
+
+
+def load(folder: str) -> dict[int, list[dict]]:
+    runs = {}
+    for name in sorted(os.listdir(folder), key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0)):
+        path = os.path.join(folder, name, "results.jsonl")
+        if name.isdigit() and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                runs[int(name)] = [json.loads(line) for line in f if line.strip().endswith("}")]
+    return runs
+
+
+def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
+    summaries = {length: summarize(records) for length, records in runs.items()}
+    groups = list(dict.fromkeys(g for s in summaries.values() for g in s))
+    tasks = task_order({r["task"] for records in runs.values() for r in records})
+    header = "| task | length | n | " + " | ".join(groups) + " |"
+    lines = [header, "|" + "---|" * (3 + len(groups))]
+    macro = {}
+    for length, summary in summaries.items():
+        for task in tasks:
+            cells, counts = [], set()
+            for group in groups:
+                g = summary.get(group)
+                if g is None or task not in g.tasks:
+                    cells.append("-")
+                    continue
+                counts.add(sum(1 for r in runs[length] if r["task"] == task and r["group"] == group) // max(g.seeds, 1))
+                cells.append(f"{g.task_score(task).mean:.1f}")
+            lines.append(f"| {task} | {length} | {'/'.join(map(str, sorted(counts)))} | " + " | ".join(cells) + " |")
+        row, rates = [], []
+        for group in groups:
+            g = summary.get(group)
+            row.append("-" if g is None else f"**{g.score.mean:.1f}**")
+            rates.append("-" if g is None else f"{100 * g.pooled_rate.mean:.1f}%")
+            if g is not None:
+                macro.setdefault(group, {})[length] = g.score.mean
+        lines.append(f"| **macro** | {length} | | " + " | ".join(row) + " |")
+        lines.append(f"| pooled Full-call rate | {length} | | " + " | ".join(rates) + " |")
+    return "\n".join(lines) + "\n", macro
+
+
+def plot(macro: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for group, points in macro.items():
+        lengths = sorted(points)
+        ax.plot(lengths, [points[n] for n in lengths], marker="o", label=group)
+    ax.set_xlabel("prompt tokens (chat template included)")
+    ax.set_ylabel("RULER macro score (%)")
+    ax.set_title("SmolLM2-135M-Instruct, offline RULER test split, s=4 w=256")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder")
+    parser.add_argument("--out", required=True, help="output path without suffix (.md and .png are written)")
+    args = parser.parse_args()
+    runs = load(args.folder)
+    if not runs:
+        raise SystemExit(f"No <length>/results.jsonl under {args.folder}.")
+    text, macro = table(runs)
+    with open(args.out + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    plot(macro, args.out + ".png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
