@@ -10,6 +10,7 @@
 The cache root is ``$ODA_HF_CACHE``, else ``$XDG_CACHE_HOME/oda_hf``, else ``~/.cache/oda_hf``. A folder
 counts as fetched only once its ``oda_fetch.json`` manifest exists: the conversion is written under a
 temporary name and renamed when complete, so an interrupted fetch never leaves a folder that gets used.
+Fetches into one cache root take turns (an OS lock on the folder), so two jobs started together convert once.
 
 This module imports neither torch nor transformers at import time (``oda --help`` stays fast).
 """
