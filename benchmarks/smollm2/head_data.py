@@ -13,8 +13,8 @@ Evaluation prompts use the dev (Romans-Revelation) and test (Matthew-Acts) text 
 document's scored positions start K tokens before its answer (the question and the answer itself), as the
 decode positions of an evaluation are there; prose documents keep the default window.
 
-    python benchmarks/smollm2/head_data.py --tokenizer <smollm2 folder> --out train.jsonl
-    python benchmarks/smollm2/head_data.py --tokenizer <smollm2 folder> --split dev --reference-window 32 \
+    python benchmarks/smollm2/head_data.py --tokenizer smollm2 --out train.jsonl
+    python benchmarks/smollm2/head_data.py --tokenizer smollm2 --split dev --reference-window 32 \
         --n 2 2 --prose 8 --out dev_references.jsonl
 """
 
@@ -74,7 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    from oda_hf.known_models import resolve_base
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base(args.tokenizer))  # "smollm2" works
     documents = []
     for length, n in zip(args.lengths, args.n, strict=True):
         documents += ruler_documents(tokenizer, [length], n, args.seed, args.split, args.reference_window)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct recall head and its evaluation, end to end, with the library's public commands.
+# Every step is resumable: rerun the script and finished work is skipped. Long; run it in the background:
+#   RUN=runs/smollm2 nohup bash benchmarks/smollm2/pipeline.sh > smollm2.log 2>&1 &
+# STEPS selects steps (default: all), e.g. STEPS="baselines" or STEPS="cache train diagnose".
+set -euo pipefail
+RUN=${RUN:-runs/smollm2}; STEPS=${STEPS:-"fetch data baselines cache train diagnose"}
+export OMP_NUM_THREADS=1  # one thread per job is faster than two on a busy 2-core machine
+oda=(oda); py=(python)
+mkdir -p "$RUN"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+has fetch && "${oda[@]}" fetch smollm2
+if has data; then
+  [ -f "$RUN/train.jsonl" ] || "${py[@]}" benchmarks/smollm2/head_data.py --tokenizer smollm2 --out "$RUN/train.jsonl"
+  for split in dev test; do
+    [ -f "$RUN/${split}_references.jsonl" ] || "${py[@]}" benchmarks/smollm2/head_data.py --tokenizer smollm2 \
+      --split $split --reference-window 32 --n 2 2 --prose 6 --out "$RUN/${split}_references.jsonl"
+  done
+  [ -f "$RUN/ruler-test/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer smollm2 --lengths 2048 4096 7000 \
+    --split test --n 10 --haystack kjv --out "$RUN/ruler-test/kjv" --no-progress
+  [ -f "$RUN/ruler-dev/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer smollm2 --lengths 2048 \
+    --split dev --n 5 --haystack kjv --out "$RUN/ruler-dev/kjv" --no-progress
+fi
+if has baselines; then  # Full, StreamingLLM (s=4, w=256), Random 12.5/25/50% on the held-out test split
+  for L in 2048 4096 7000; do
+    "${oda[@]}" eval --base smollm2 --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/$L" \
+      --policies full local random:0.125 random:0.25 random:0.5 --seeds 42 --sinks 4 --window 256 \
+      --out "$RUN/baselines/$L"
+  done
+fi
+has cache && "${oda[@]}" cache-supervision --base smollm2 --data "$RUN/train.jsonl" --output "$RUN/cache" \
+  --sinks 4 --window 256 --tau-hist 0.001 --seq-len 2048 --rows-per-shard 8 --threads 1
+has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base smollm2 --from-cache "$RUN/cache" \
+  --output "$RUN/head" --epochs 20 --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
+if has diagnose; then  # fixed-reference gains on held-out sequences: head vs Local-confidence baselines
+  for split in dev test; do
+    "${oda[@]}" diagnose --base smollm2 --head "$RUN/head" --data "$RUN/${split}_references.jsonl" \
+      --positions 128 --out "$RUN/diagnose-$split" --no-progress
+  done
+fi
