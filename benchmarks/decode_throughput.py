@@ -76,6 +76,7 @@ def worker(args) -> dict:
     from transformers import DynamicCache
 
     from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
+    from oda_hf.compat import cache_kwargs
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -93,7 +94,7 @@ def worker(args) -> dict:
             layer.update(keys, values)
 
         def step(token):
-            return model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            return model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits
     else:
         kind, k = method
         policy = SchedulePolicy(k, PERIOD, run_head=True) if kind == "schedule" else kind

@@ -69,6 +69,7 @@ def worker(args) -> dict:
     from transformers import DynamicCache
 
     from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+    from oda_hf.compat import cache_kwargs
     from oda_hf.engine import OdaStaticEngine
 
     torch.set_num_threads(args.threads)
@@ -92,7 +93,7 @@ def worker(args) -> dict:
             layer.update(keys, values)
 
         def step(token):
-            return model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits[:, -1]
+            return model(input_ids=token.view(1, 1), **cache_kwargs(cache), use_cache=True).logits[:, -1]
     else:
         policy, needs_head = _routing(args.method)
         head = RecallHead(RecallHeadConfig.for_base(model)).to(device) if needs_head else None

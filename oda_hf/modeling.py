@@ -23,6 +23,7 @@ from transformers.utils import PushToHubMixin, logging
 
 from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
+from .compat import CACHE_ARG, cache_kwargs
 from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
 from .head import RecallHead
 from .known_models import resolve_base, resolve_head
@@ -225,10 +226,10 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported: ODA installs its "
                 "own OdaCache. Leave cache_implementation unset."
             )
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_ARG)
         if cache is None:
             # generate() knows the final length (prompt + new tokens): allocate once, never regrow.
-            model_kwargs["past_key_values"] = self.new_cache(max_cache_len=max_cache_length)
+            model_kwargs[CACHE_ARG] = self.new_cache(max_cache_len=max_cache_length)
         elif not isinstance(cache, OdaCache):
             raise TypeError(
                 f"ODA needs an OdaCache, got {type(cache).__name__}. Omit past_key_values or pass model.new_cache()."
@@ -294,12 +295,17 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: OdaCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Prefill (Full) when the cache is empty or several tokens arrive; otherwise one routed step.
 
-        Without a cache this is the base model's plain Full forward.
+        Without a cache this is the base model's plain Full forward. The cache comes as ``cache``
+        (transformers >= 5.24) or ``past_key_values`` (5.23); both names are accepted.
         """
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("Pass the OdaCache once: as cache= or as past_key_values=, not both.")
+        past_key_values = cache if cache is not None else past_key_values
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, False):
                 raise ValueError(f"{flag}=True is not supported by OdaForCausalLM (two passes per step).")
@@ -331,7 +337,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             except BaseException:
                 cache.discard_pending()
                 raise
-        return CausalLMOutputWithPast(logits=self.lm_logits(hidden), past_key_values=cache)
+        return CausalLMOutputWithPast(logits=self.lm_logits(hidden), **cache_kwargs(cache))
 
     def _decoder_inputs(self, input_ids, inputs_embeds) -> dict:
         if input_ids is not None:
@@ -343,7 +349,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         cache.set_mode(PREFILL)
         out = self.get_decoder()(
             **self._decoder_inputs(input_ids, inputs_embeds), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs,
+            position_ids=position_ids, **cache_kwargs(cache), use_cache=True, **kwargs,
         )
         cache.rebuild_workspace(attention_mask, batch_size)
         cache.selected_hidden = out.last_hidden_state[:, -1]
@@ -381,7 +387,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             cache.begin_step()
             cache.set_mode(LOCAL)
             out = decoder(**inputs, attention_mask=self._local_masks(cache, embeds, attention_mask, position_ids),
-                          position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs)
+                          position_ids=position_ids, **cache_kwargs(cache), use_cache=True, **kwargs)
             local_hidden = out.last_hidden_state[:, -1]
             if policy.uses_head or (policy.run_head and self.recall_head is not None):
                 scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
@@ -393,7 +399,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 cache.prepare_full_retry()
             cache.set_mode(FULL)
             out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True, **kwargs)
+                          **cache_kwargs(cache), use_cache=True, **kwargs)
             full_hidden = out.last_hidden_state[:, -1]
             hidden = full_hidden if local_hidden is None else select_rows(select_full, full_hidden, local_hidden)
         cache.commit(select_full if run_full else None)
@@ -418,7 +424,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             else:
                 masks[layer_type] = NATIVE_MASK_BUILDERS[layer_type](
                     config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                    past_key_values=cache, position_ids=mask_position_ids,
+                    position_ids=mask_position_ids, **cache_kwargs(cache),
                 )
         return masks
 

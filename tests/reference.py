@@ -10,6 +10,8 @@ that Local leaves alone (sliding, Gated DeltaNet) get their native masks. No Oda
 from __future__ import annotations
 
 import torch
+
+from oda_hf.compat import cache_kwargs
 from transformers import masking_utils
 
 
@@ -48,7 +50,7 @@ def replay_logits(base, sequences, prompt_mask, decisions, sinks: int, window: i
         attention = {"full_attention": full_mask}
         for kind in layer_types - {"full_attention"}:
             attention[kind] = builders[kind](config=config, inputs_embeds=embeds, attention_mask=mask2d,
-                                             past_key_values=None, position_ids=position_ids)
+                                             position_ids=position_ids, **cache_kwargs(None))
     with torch.no_grad():
         return base(input_ids=sequences, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
 

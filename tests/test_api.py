@@ -5,6 +5,7 @@ import torch
 import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from oda_hf.compat import cache_kwargs
 from oda_hf import OdaCache, OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
 from tiny_models import tiny_model
 
@@ -82,7 +83,7 @@ def test_unsupported_generation_modes_fail_clearly():
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         cache.crop(-1)
     with pytest.raises(TypeError, match="OdaCache"):
-        model.generate(input_ids=ids, max_new_tokens=4, past_key_values=transformers.DynamicCache())
+        model.generate(input_ids=ids, max_new_tokens=4, **cache_kwargs(transformers.DynamicCache()))
 
 
 def test_routing_excludes_prefill_output_and_rows_after_eos():
@@ -178,7 +179,7 @@ def test_generate_preallocates_once_and_matches_a_growing_cache():
     model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy=SchedulePolicy(1, 3)))
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     cache = model.new_cache(max_cache_len=9 + 12)
-    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0, past_key_values=cache)
+    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0, **cache_kwargs(cache))
     layer = cache.global_layers[0]
     assert layer.keys.shape[2] == 21 and cache.get_seq_length() == 9 + 11
     pointer = layer.keys.data_ptr()
@@ -202,7 +203,7 @@ def test_load_history_from_a_stock_prefill_continues_like_generate():
                               output_logits=True, return_dict_in_generate=True)
     stock_cache = transformers.DynamicCache(config=base.config)
     with torch.no_grad():
-        prefill = base.model(input_ids=ids, past_key_values=stock_cache, use_cache=True)
+        prefill = base.model(input_ids=ids, **cache_kwargs(stock_cache), use_cache=True)
     cache = model.new_cache()
     cache.load_history([(layer.keys, layer.values) for layer in stock_cache.layers])
     assert cache.get_seq_length() == 11 and [l.get_seq_length() for l in cache.layers] == [11] * 4

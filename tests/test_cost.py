@@ -10,6 +10,7 @@ import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from oda_hf.compat import CACHE_ARG, cache_kwargs
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
 from oda_hf.cli_common import UsageError
 from oda_hf.cost import (
@@ -164,10 +165,10 @@ def test_step_costs_match_brute_force_count(family):
         elif type(module).__name__ == "Gemma4TextExperts":
             module.register_forward_hook(experts_hook)
     with torch.no_grad():
-        past = model(torch.randint(1, 97, (1, prompt)), use_cache=True).past_key_values
+        past = getattr(model(torch.randint(1, 97, (1, prompt)), use_cache=True), CACHE_ARG)
         backbone.clear(), output.clear()
         with FlopCounterMode(display=False) as counter:
-            model(torch.tensor([[5]]), past_key_values=past, use_cache=True)
+            model(torch.tensor([[5]]), **cache_kwargs(past), use_cache=True)
     attention = counter.get_flop_counts()["Global"].get(torch.ops.aten.bmm, 0)
 
     assert shape.backbone_flops == 2 * (sum(backbone) + _gated_deltanet_macs(model))

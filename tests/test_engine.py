@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from oda_hf.compat import CACHE_ARG
 from oda_hf import (
     OdaConfig,
     OdaForCausalLM,
@@ -153,7 +154,7 @@ def test_load_history_then_steps_match_hf_path():
     ids, _ = left_padded_prompts(batch=1, pads=(0,))
     with torch.no_grad():
         stock = model.base_model(input_ids=ids, use_cache=True, output_hidden_states=True)
-    history = [(layer.keys, layer.values) for layer in stock.past_key_values.layers]
+    history = [(layer.keys, layer.values) for layer in getattr(stock, CACHE_ARG).layers]
     last_hidden = stock.hidden_states[-1][:, -1]
     continuation = torch.randint(3, 97, (12,), generator=torch.Generator().manual_seed(5))
 

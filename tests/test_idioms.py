@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from oda_hf.compat import CACHE_ARG, cache_kwargs
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
 from reference import replay_logits
 from tiny_models import left_padded_prompts, tiny_model
@@ -81,7 +82,7 @@ def two_turns(model, turn1_new=7, turn2_new=6, user_tokens=(5, 6, 7), **turn2_kw
     conversation = torch.cat([first.sequences, torch.tensor([list(user_tokens)] * 2, dtype=torch.long)], dim=1)
     conversation_mask = torch.cat([mask, torch.ones(2, conversation.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
     second = model.generate(input_ids=conversation, attention_mask=conversation_mask,
-                            past_key_values=first.past_key_values, max_new_tokens=turn2_new, do_sample=False,
+                            **cache_kwargs(getattr(first, CACHE_ARG)), max_new_tokens=turn2_new, do_sample=False,
                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, **turn2_kwargs)
     return ids, mask, turn1_decisions, conversation, second
 
@@ -109,14 +110,14 @@ def test_head_scores_of_the_second_turn_match_a_fresh_model_on_a_copy_of_the_cac
     ids, mask = left_padded_prompts(2, 9, pads=(3, 0))
     first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0,
                            return_dict_in_generate=True)
-    cache_copy = copy.deepcopy(first.past_key_values)
+    cache_copy = copy.deepcopy(getattr(first, CACHE_ARG))
     conversation = torch.cat([first.sequences, torch.tensor([[5, 6, 7]] * 2)], dim=1)
     conversation_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], dim=1)
     kwargs = dict(input_ids=conversation, attention_mask=conversation_mask, max_new_tokens=6, do_sample=False,
                   pad_token_id=0)
-    turn2 = model.generate(past_key_values=first.past_key_values, **kwargs)
+    turn2 = model.generate(**cache_kwargs(getattr(first, CACHE_ARG)), **kwargs)
     fresh = OdaForCausalLM(model.base_model, model.recall_head, model.oda_config)
-    fresh_turn2 = fresh.generate(past_key_values=cache_copy, **kwargs)
+    fresh_turn2 = fresh.generate(**cache_kwargs(cache_copy), **kwargs)
     assert torch.equal(turn2, fresh_turn2)
     assert torch.equal(model.routing.decisions, fresh.routing.decisions)
     assert torch.equal(model.routing.scores, fresh.routing.scores) and model.routing.scores.shape == (2, 5)
@@ -131,7 +132,7 @@ def test_eos_in_turn_one_does_not_cut_turn_two():
                            return_dict_in_generate=True)
     assert first.sequences.shape[1] == 9 + 3 and model.routing.steps_per_row.tolist() == [2]
     conversation = torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], dim=1)
-    model.generate(input_ids=conversation, past_key_values=first.past_key_values, max_new_tokens=10,
+    model.generate(input_ids=conversation, **cache_kwargs(getattr(first, CACHE_ARG)), max_new_tokens=10,
                    do_sample=False, pad_token_id=0, eos_token_id=None)
     assert model.routing.steps_per_row.tolist() == [9]
     assert model.routing.full_calls_per_row.tolist() == [5]  # steps 1, 3, 5, 7, 9
@@ -145,7 +146,7 @@ def test_continuing_without_new_tokens_routes_every_output():
                            return_dict_in_generate=True)
     turn1 = model.routing.decisions.clone()
     mask2 = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
-    second = model.generate(input_ids=first.sequences, attention_mask=mask2, past_key_values=first.past_key_values,
+    second = model.generate(input_ids=first.sequences, attention_mask=mask2, **cache_kwargs(getattr(first, CACHE_ARG)),
                             max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
                             return_dict_in_generate=True)
     assert model.routing.decisions.tolist() == [[True, False, False, True]] * 2

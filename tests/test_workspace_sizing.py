@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from oda_hf.compat import cache_kwargs
 from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig
 from oda_hf.cache import workspace_geometry
 from oda_hf.engine import OdaStaticEngine
@@ -54,7 +55,7 @@ def test_growing_workspace_matches_the_reference(sinks, window, prompt):
     ids, mask = left_padded_prompts(2, prompt, pads=[2, 0])
     cache = model.new_cache()  # no max length: grows
     new_tokens = 30
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, past_key_values=cache, **GEN)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, **cache_kwargs(cache), **GEN)
     ref = replay_logits(base, out.sequences, mask, model.routing.decisions, sinks, window)
     ref = step_logits_from_reference(ref, prompt, new_tokens)
     assert (ref - torch.stack(out.logits, dim=1)).abs().max().item() < TOL

@@ -24,6 +24,7 @@ import itertools
 import torch
 
 from ..cache import workspace_geometry
+from ..compat import cache_kwargs
 from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted
 from ..modeling import OdaForCausalLM
 from . import routing as device_routing
@@ -240,7 +241,7 @@ class OdaStaticEngine:
         # Same inputs as generate() gives the HF path: a 2D mask and positions counted over valid tokens.
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                           past_key_values=self._caches[PREFILL], use_cache=True)
+                           **cache_kwargs(self._caches[PREFILL]), use_cache=True)
         hidden = out.last_hidden_state
         self.state.load_prefix(mask.bool(), self.ws_sinks, self.ws_window)
         self.state.selected_hidden.copy_(hidden[:, -1])
@@ -382,7 +383,7 @@ class OdaStaticEngine:
         state.advance(select_full)
 
     def _decode(self, mode: str, embeds, positions, **attention_kwargs) -> torch.Tensor:
-        out = self.decoder(inputs_embeds=embeds, position_ids=positions, past_key_values=self._caches[mode],
+        out = self.decoder(inputs_embeds=embeds, position_ids=positions, **cache_kwargs(self._caches[mode]),
                            use_cache=True, oda_mode=mode, **attention_kwargs)
         return out.last_hidden_state[:, -1]
 

@@ -33,7 +33,7 @@ SUPPORTED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWar
                         RepetitionPenaltyLogitsProcessor)
 _UNSUPPORTED_ARGUMENTS = ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn",
                           "synced_gpus", "assistant_model", "assistant_tokenizer", "tokenizer", "negative_prompt_ids",
-                          "negative_prompt_attention_mask", "custom_generate", "inputs_embeds", "past_key_values",
+                          "negative_prompt_attention_mask", "custom_generate", "inputs_embeds", "past_key_values", "cache",
                           "prompt_lookup_num_tokens", "assistant_early_exit")
 
 

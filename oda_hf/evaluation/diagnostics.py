@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import cache_kwargs
 from ..policies import RoutingPolicy
 from . import stats
 
@@ -165,11 +166,11 @@ def reference_gains(model, input_ids, *, start: int | None = None, count: int | 
         try:
             model.set_routing(policy=policy)
             cache = model.new_cache()
-            model(input_ids=ids[: start - 1].to(device)[None].repeat(2, 1), past_key_values=cache)  # Full prefill
+            model(input_ids=ids[: start - 1].to(device)[None].repeat(2, 1), **cache_kwargs(cache))  # Full prefill
             for t in tqdm(range(start, last + 1), desc=f"reference {doc_id}".strip(), disable=not progress,
                           leave=False):
                 step = ids[t - 1].to(device).view(1, 1).repeat(2, 1)  # x_t (0-based index t - 1)
-                logits = model(input_ids=step, past_key_values=cache).logits[:, -1].double()
+                logits = model(input_ids=step, **cache_kwargs(cache)).logits[:, -1].double()
                 logp = torch.log_softmax(logits, dim=-1)
                 full_logp, local_logp = logp[0].cpu(), logp[1].cpu()
                 target = int(ids[t])  # x_{t+1}

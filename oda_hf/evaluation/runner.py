@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import cache_kwargs
 from ..policies import RandomPolicy, SchedulePolicy
 from .metrics import score_example
 from .suites import EvalExample
@@ -403,7 +404,7 @@ class SharedPrefill:
             model.set_routing(policy="full")  # the prefill never routes; any policy would do
             ids = torch.tensor([self.input_ids], dtype=torch.long, device=model.device)
             output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                    generation_config=greedy_config(model, tokenizer, 1), past_key_values=self._cache)
+                                    generation_config=greedy_config(model, tokenizer, 1), **cache_kwargs(self._cache))
         finally:
             model.oda_config = saved
         self.first_token = int(output[0, -1])
@@ -456,7 +457,7 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
                 config.max_new_tokens = example.max_new_tokens - 1
                 config.min_new_tokens = _min_new_tokens(model, 1)
                 output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                        past_key_values=cache)
+                                        **cache_kwargs(cache))
                 new_ids = output[0, len(input_ids):].tolist()
     finally:
         model.oda_config = saved
