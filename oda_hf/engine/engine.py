@@ -25,7 +25,6 @@ import torch
 
 from ..cache import workspace_geometry
 from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted
-from ..modeling import OdaForCausalLM
 from . import routing as device_routing
 from .attention import FULL, LOCAL, PREFILL, EngineCache, LocalAttention, engine_attention, register_engine_attention
 from .graphs import (
@@ -51,6 +50,12 @@ from .support import (
 KERNEL_BACKENDS = ("triton", "sdpa", "reference")
 
 
+def _is_oda_model(model) -> bool:
+    # Checked by class name, not isinstance: importing oda_hf.modeling here would close an import circle
+    # (modeling imports the engine for generate(oda_fast=True)).
+    return any(cls.__name__ == "OdaForCausalLM" and cls.__module__ == "oda_hf.modeling" for cls in type(model).__mro__)
+
+
 class OdaStaticEngine:
     """A static decode engine for one `OdaForCausalLM` (full-attention families: Llama, Mistral, Qwen2, Qwen3).
 
@@ -73,13 +78,13 @@ class OdaStaticEngine:
     right after, so the same model keeps working on the HF path. `release()` frees buffers and graphs.
     """
 
-    def __init__(self, model: OdaForCausalLM, *, max_length: int, batch_size: int = 1,
+    def __init__(self, model, *, max_length: int, batch_size: int = 1,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, kernels: str = "auto", graph_mode: str = "auto",
                  conditional: str = "auto"):
         if fast_path_disabled():
             raise FastPathUnsupported(f"The fast path is disabled ({DISABLE_ENV}=1); use model.generate(...), the "
                                       "HF path.")
-        if not isinstance(model, OdaForCausalLM):
+        if not _is_oda_model(model):
             raise TypeError(f"OdaStaticEngine drives an OdaForCausalLM; got {type(model).__name__}.")
         check_model_supported(model)
         if max_length < 2 or batch_size < 1 or bucket_size < 1:
@@ -121,7 +126,7 @@ class OdaStaticEngine:
         self._length = 0  # committed columns n
         self._steps = 0  # routed steps in this request
         self._used = 0  # columns written since the last reset (what reset clears)
-        self._plan = None
+        self._plan = self._policy = None
         self._step_limit = 0
         self._finished_at = None
         self._routing = None
@@ -219,7 +224,7 @@ class OdaStaticEngine:
         self.reset()
         max_steps = self.capacity - length if max_steps is None else min(max_steps, self.capacity - length)
         device_routing.prepare_request(self.state, policy, plan, batch, max_steps)
-        self._plan, self._step_limit = plan, max_steps
+        self._plan, self._policy, self._step_limit = plan, policy, max_steps
         self._finished_at = torch.full((batch,), -1, dtype=torch.long)
 
     @torch.no_grad()
@@ -368,7 +373,7 @@ class OdaStaticEngine:
                                         oda_local_mask=self.local.visibility(state.valid_count))
         if plan.run_head:
             scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], local_hidden)
-        select_full = device_routing.decide(state, plan, scores)
+        select_full = device_routing.decide(state, self._policy, plan, scores)
         device_routing.record(state, select_full, scores)
         if plan.run_local:
             pred = select_full.any() if force is None else self._forced[force]
@@ -377,7 +382,7 @@ class OdaStaticEngine:
             hidden = torch.where(select_full[:, None], full_hidden, local_hidden)
         else:
             hidden = self._full_branch(embeds, positions, full_mask)
-        self._commit(select_full, with_full=plan.rule != "local")
+        self._commit(select_full, with_full=not plan.never_full)
         state.selected_hidden.copy_(hidden)
         state.advance(select_full)
 
