@@ -442,6 +442,11 @@ class OdaCache(Cache):
     def local_visibility(self) -> torch.Tensor:
         return self.global_layers[0].local_visibility()
 
+    def rows_within_window(self) -> torch.Tensor:
+        """bool ``[batch]`` (CPU): rows whose next step's history (committed positions plus the current token)
+        fits in sinks + window, where Local reads every position Full reads."""
+        return self.global_layers[0].valid_count + 1 <= self.sinks + self.window
+
     def load_history(self, key_values, attention_mask: torch.Tensor | None = None) -> None:
         """Commit KV computed elsewhere as this cache's history (e.g. a stock prefill, or a synthetic one).
 

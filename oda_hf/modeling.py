@@ -375,6 +375,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         inputs = self._decoder_inputs(input_ids, inputs_embeds)
         batch_size, step = embeds.shape[0], self.routing.routed_steps + 1
         local_hidden = scores = None
+        # Rows whose history fits in sinks + window: Local reads what Full would, so they take Local and
+        # nothing is decided for them; when every row does, the head and the retry are skipped.
+        in_window = cache.rows_within_window()
         if policy.skips_local:
             select_full = policy.decide(None, step, batch_size, embeds.device)
         else:
@@ -383,9 +386,14 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             out = decoder(**inputs, attention_mask=self._local_masks(cache, embeds, attention_mask, position_ids),
                           position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs)
             local_hidden = out.last_hidden_state[:, -1]
-            if policy.uses_head or (policy.run_head and self.recall_head is not None):
-                scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
-            select_full = policy.decide(scores, step, batch_size, embeds.device)
+            if bool(in_window.all()):
+                if policy.host_draws:
+                    policy.decide(None, step, batch_size, embeds.device)  # every step consumes its draw (as the engine)
+                select_full = torch.zeros(batch_size, dtype=torch.bool, device=embeds.device)
+            else:
+                if policy.uses_head or (policy.run_head and self.recall_head is not None):
+                    scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
+                select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())
         if run_full:
@@ -398,7 +406,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             hidden = full_hidden if local_hidden is None else select_rows(select_full, full_hidden, local_hidden)
         cache.commit(select_full if run_full else None)
         cache.selected_hidden = hidden
-        self.routing.record(select_full, scores)
+        self.routing.record(select_full, scores, in_window)
         return hidden[:, None]
 
     def _local_masks(self, cache, embeds, attention_mask, position_ids):

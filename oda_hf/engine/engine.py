@@ -374,7 +374,15 @@ class OdaStaticEngine:
         if plan.run_head:
             scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], local_hidden)
         select_full = device_routing.decide(state, self._policy, plan, scores)
-        device_routing.record(state, select_full, scores)
+        # Rows whose history is within s + w read the same positions either way: they take Local (as on the
+        # HF path). The head still runs here (static shapes), but its score is not recorded on steps where
+        # every row is in the window, where the HF path skips it.
+        in_window = state.valid_count + 1 <= self.sinks + self.window
+        if plan.run_local:
+            select_full = select_full & ~in_window
+            if scores is not None:
+                scores = torch.where(in_window.all(), torch.full_like(scores, float("nan")), scores)
+        device_routing.record(state, select_full, scores, in_window)
         if plan.run_local:
             pred = select_full.any() if force is None else self._forced[force]
             full_hidden = conditional(self.conditional, pred, self._full_branch, self._skip_branch,

@@ -66,9 +66,10 @@ def decide(state: EngineState, policy: RoutingPolicy, plan: StepPlan, scores: to
                                    state.threshold)
 
 
-def record(state: EngineState, select_full: torch.Tensor, scores: torch.Tensor | None) -> None:
-    """Write this step's decisions (and scores) at row ``step_counter`` of the device record."""
+def record(state: EngineState, select_full: torch.Tensor, scores: torch.Tensor | None, in_window: torch.Tensor) -> None:
+    """Write this step's decisions, scores and window flags at row ``step_counter`` of the device record."""
     state.decisions.index_copy_(0, state.step_counter, select_full.view(1, -1))
+    state.in_window.index_copy_(0, state.step_counter, in_window.view(1, -1))
     if scores is not None:
         state.scores.index_copy_(0, state.step_counter, scores.detach().float().view(1, -1))
 
@@ -78,8 +79,9 @@ def routing_record(state: EngineState, steps: int, finished_at: torch.Tensor | N
     routing = RoutingRecord(state.batch_size)
     decisions = state.decisions[:steps].cpu()
     scores = state.scores[:steps].cpu()
+    in_window = state.in_window[:steps].cpu()
     for step in range(steps):
-        routing.record(decisions[step], scores[step])
+        routing.record(decisions[step], scores[step], in_window[step])
     if finished_at is not None:
         routing.finished_at = finished_at.clone()
     return routing
