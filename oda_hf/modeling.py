@@ -45,6 +45,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
     """
 
     main_input_name = "input_ids"
+    #: A Full retry runs on the chosen rows only while they are at most this fraction of the batch (0 = always the
+    #: whole batch, 1 = the chosen rows whenever some row keeps Local). See `_retry_rows`.
+    max_row_retry_fraction = 0.5
     _is_stateful = False
     base_model_prefix = "base_model"
 
@@ -396,7 +399,18 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())
-        if run_full:
+        rows = None if local_hidden is None or not run_full else self._retry_rows(
+            select_full, cache, attention_mask, position_ids, kwargs)
+        if rows is not None:
+            # Only the rows that chose Full: gather their history, recompute, scatter hidden state and KV back.
+            retry = cache.full_retry_rows(rows)
+            out = decoder(**{name: value.index_select(0, rows) for name, value in inputs.items()},
+                          attention_mask=None if attention_mask is None else attention_mask.index_select(0, rows),
+                          position_ids=None if position_ids is None else position_ids.index_select(0, rows),
+                          past_key_values=retry, use_cache=True, **kwargs)
+            cache.scatter_full_rows(retry, rows)
+            hidden = local_hidden.index_copy(0, rows, out.last_hidden_state[:, -1])
+        elif run_full:
             if local_hidden is not None:
                 cache.prepare_full_retry()
             cache.set_mode(FULL)
@@ -408,6 +422,26 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         cache.selected_hidden = hidden
         self.routing.record(select_full, scores, in_window)
         return hidden[:, None]
+
+    def _retry_rows(self, select_full, cache, attention_mask, position_ids, kwargs) -> torch.Tensor | None:
+        """Rows (long ``[k]``) for a Full retry of those rows only, or None to retry the whole batch.
+
+        The whole batch is retried when at least `max_row_retry_fraction` of the rows chose Full (gathering
+        copies the selected rows' history, so a retry of most rows is cheaper in place), for hybrids (the
+        model updates recurrent state in place for the whole batch), and when an input cannot be split by
+        rows (a 4D or per-layer mask, multimodal 3D positions, other per-row tensors).
+        """
+        batch_size = select_full.shape[0]
+        rows = select_full.nonzero().flatten()
+        if rows.numel() > self.max_row_retry_fraction * batch_size or cache.linear_layers:
+            return None
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            return None
+        if position_ids is not None and position_ids.dim() != 2:
+            return None
+        if any(isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch_size for value in kwargs.values()):
+            return None
+        return rows
 
     def _local_masks(self, cache, embeds, attention_mask, position_ids):
         """Masks for the Local pass: explicit sinks+window visibility for global layers, native for others."""

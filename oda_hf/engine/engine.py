@@ -4,8 +4,10 @@ One routed step (paper Algorithm 1 and App. "Selected-state execution"), all on 
 
     embed(x_t) -> Local backbone (direct-ring kernel over the workspace) -> h_L
     q = head(h_prev, E, h_L)                    (when the policy runs the head)
-    select_full[b] = q > theta or q not finite   (or the schedule / precomputed Random decision)
-    if any(select_full): Full backbone over the cache's bucket columns (torch.cond: an IF node)
+    select_full[b] = the policy's rule (q > theta or q not finite; the schedule; precomputed Random draws),
+                     False for rows whose history is within s + w (Local == Full there, as on the HF path)
+    if any(select_full): Full backbone over the cache's bucket columns (torch.cond: an IF node), for the
+                         whole batch (a per-row retry would change shapes, which a captured graph fixes)
     h = select_full ? h_F : h_L   per row;  commit selected KV to cache column n and the ring
     h_prev = h;  n += 1;  valid_count += 1;  step_counter += 1
 
