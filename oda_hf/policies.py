@@ -109,7 +109,8 @@ class RandomPolicy(RoutingPolicy):
 
     The generator is re-seeded at every request, so the same prompt and seed give the same draws.
     Draw ``i`` of a request is ``torch.rand(batch, generator=torch.Generator().manual_seed(seed))``
-    taken in step order, one row per column.
+    taken in step order, one row per column; steps within sinks + window take their draw too (and
+    ignore it), so a step's draw depends only on its number.
     """
 
     name = "random"

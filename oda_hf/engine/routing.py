@@ -46,7 +46,7 @@ def plan_for(policy: RoutingPolicy, has_head: bool) -> StepPlan:
 
 def prepare_request(state: EngineState, policy: RoutingPolicy, plan: StepPlan, batch: int, max_steps: int) -> None:
     """Host-side, once per request: device threshold, and the decision table for table policies."""
-    state.threshold.fill_(float(getattr(policy, "threshold", 0.0)))
+    state.threshold.fill_(float(getattr(policy, "threshold", 0.0)))  # what decide_on_device gets; rules without one ignore it
     if plan.host_draws:
         if max_steps > state.decision_table.shape[0]:
             raise ValueError(f"{max_steps} routed steps exceed the engine's capacity {state.decision_table.shape[0]}.")
