@@ -1,8 +1,9 @@
 """Batch economics of ODA from the analytical cost model (no hardware is run): speedup over native
 Full versus batch size, for the two ways to run a batched Full retry.
 
-* whole: when any row recalls, the whole batch reruns Full (what oda_hf's HF path and static engine do);
-* rows:  only the recalling rows rerun Full.
+* whole: when any row recalls, the whole batch reruns Full (what oda_hf's static engine does, and its HF path
+  for hybrids or when more than half the rows recall);
+* rows:  only the recalling rows rerun Full (oda_hf's HF path otherwise).
 
 Qwen3-1.7B shapes, BF16 weights and KV, FP32 head, s = 4, w = 2048, per-row recalls independent
 Bernoulli(rho), roofline latency per kernel phase (`oda_hf.cost.BatchCostModel`; assumptions in its

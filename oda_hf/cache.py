@@ -19,6 +19,8 @@ Layer kinds (from `transformers.cache_utils.get_layer_types_and_kwargs`):
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import (
     Cache,
@@ -397,6 +399,27 @@ class OdaCache(Cache):
         for layer, saved in zip(self.linear_layers, self._pre_step_state):
             layer.restore(saved)
 
+    def full_retry_rows(self, rows: torch.Tensor) -> "FullRetryRows":
+        """A cache holding only `rows` (long ``[k]``) of the pre-step history, for a Full retry of those rows.
+
+        Run the Full pass on it with the rows' inputs, then `scatter_full_rows` puts its candidates back.
+        Recurrent (Gated DeltaNet) state is updated in place by the model, so hybrids retry the whole batch.
+        """
+        if self.linear_layers:
+            raise ValueError("A per-row Full retry is not available with recurrent-state layers; retry the whole batch.")
+        return FullRetryRows(self, rows)
+
+    def scatter_full_rows(self, retry: "FullRetryRows", rows: torch.Tensor) -> None:
+        """Full candidates of `retry` become those of `rows`; the other rows keep their Local candidate (they do
+        not select Full, so `commit` never reads their Full entry)."""
+        for layer, sub in zip(self.layers, retry.layers):
+            if not hasattr(layer, "pending") or FULL not in sub.pending:
+                continue
+            local_keys, local_values = layer.pending[LOCAL]
+            sub_keys, sub_values = sub.pending[FULL]
+            index = rows.to(local_keys.device)
+            layer.pending[FULL] = (local_keys.index_copy(0, index, sub_keys), local_values.index_copy(0, index, sub_values))
+
     def commit(self, select_full: torch.Tensor | None) -> None:
         """Commit the selected candidate of every row. `select_full`: bool ``[batch]`` or None (= Local)."""
         if self._local_state is not None and select_full is not None:
@@ -441,6 +464,11 @@ class OdaCache(Cache):
 
     def local_visibility(self) -> torch.Tensor:
         return self.global_layers[0].local_visibility()
+
+    def rows_within_window(self) -> torch.Tensor:
+        """bool ``[batch]`` (CPU): rows whose next step's history (committed positions plus the current token)
+        fits in sinks + window, where Local reads every position Full reads."""
+        return self.global_layers[0].valid_count + 1 <= self.sinks + self.window
 
     def load_history(self, key_values, attention_mask: torch.Tensor | None = None) -> None:
         """Commit KV computed elsewhere as this cache's history (e.g. a stock prefill, or a synthetic one).
@@ -500,3 +528,37 @@ class OdaCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         OdaGlobalLayer.crop(None, tokens_to_remove)
+
+
+class FullRetryRows(Cache):
+    """Some rows of an `OdaCache`'s pre-step history, gathered into a smaller batch for a Full retry.
+
+    Each layer is a shallow copy of the parent's layer with its tensors indexed by the rows (a copy of
+    those rows' history: gathering costs one read and write of it, which is why a retry of most rows
+    runs on the whole batch instead). Nothing here is ever committed: `OdaCache.scatter_full_rows` takes
+    its pending Full candidates.
+    """
+
+    is_compileable = False
+
+    def __init__(self, parent: OdaCache, rows: torch.Tensor):
+        super().__init__(layers=[_layer_rows(layer, rows) for layer in parent.layers])
+        self.layer_types = parent.layer_types
+
+
+def _layer_rows(layer, rows: torch.Tensor):
+    if isinstance(layer, DummyLayer) or not getattr(layer, "is_initialized", False):
+        return layer
+    sub = copy.copy(layer)
+    sub.pending, sub.mode = {}, FULL
+    index = rows.to(layer.keys.device)
+    if isinstance(layer, OdaGlobalLayer):
+        n = layer.seq_length
+        layer._reserve(n + 1)  # room for the candidate column: the retry writes it, nothing grows
+        sub.keys = layer.keys[:, :, : n + 1].index_select(0, index)
+        sub.values = layer.values[:, :, : n + 1].index_select(0, index)
+        sub.ws_keys = sub.ws_values = None  # Full never reads the Local workspace
+        sub.valid_count = layer.valid_count[rows.cpu()]
+    else:
+        sub.keys, sub.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+    return sub

@@ -548,8 +548,10 @@ def format_flops_table(rows: Sequence[FlopsRow], style: str = "markdown") -> str
 # for every row, and a Full pass for the rows that recall. Two ways to run that Full pass:
 #
 # * "whole": if any row recalls, the whole batch reruns Full and each row keeps its selected
-#   candidate (what `OdaForCausalLM` and `OdaStaticEngine` do: one device predicate per step);
-# * "rows":  only the recalling rows rerun Full (a gathered sub-batch of the recalling rows);
+#   candidate (what `OdaStaticEngine` does: one device predicate per step; `OdaForCausalLM` for
+#   hybrids and when more than `max_row_retry_fraction` of the rows recall);
+# * "rows":  only the recalling rows rerun Full (a gathered sub-batch of the recalling rows; what
+#   `OdaForCausalLM` does otherwise);
 # * "masked": the Full pass runs every row through the projections and MLP (fixed shapes, so one
 #   captured graph serves every pattern) but attention reads history only for the recalling rows
 #   (the others' attention lengths masked to zero on the device).

@@ -46,6 +46,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
     """
 
     main_input_name = "input_ids"
+    #: A Full retry runs on the chosen rows only while they are at most this fraction of the batch (0 = always the
+    #: whole batch, 1 = the chosen rows whenever some row keeps Local). See `_retry_rows`.
+    max_row_retry_fraction = 0.5
     _is_stateful = False
     base_model_prefix = "base_model"
 
@@ -381,6 +384,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         inputs = self._decoder_inputs(input_ids, inputs_embeds)
         batch_size, step = embeds.shape[0], self.routing.routed_steps + 1
         local_hidden = scores = None
+        # Rows whose history fits in sinks + window: Local reads what Full would, so they take Local and
+        # nothing is decided for them; when every row does, the head and the retry are skipped.
+        in_window = cache.rows_within_window()
         if policy.skips_local:
             select_full = policy.decide(None, step, batch_size, embeds.device)
         else:
@@ -389,12 +395,28 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             out = decoder(**inputs, attention_mask=self._local_masks(cache, embeds, attention_mask, position_ids),
                           position_ids=position_ids, **cache_kwargs(cache), use_cache=True, **kwargs)
             local_hidden = out.last_hidden_state[:, -1]
-            if policy.uses_head or (policy.run_head and self.recall_head is not None):
-                scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
-            select_full = policy.decide(scores, step, batch_size, embeds.device)
+            if bool(in_window.all()):
+                if policy.host_draws:
+                    policy.decide(None, step, batch_size, embeds.device)  # every step consumes its draw (as the engine)
+                select_full = torch.zeros(batch_size, dtype=torch.bool, device=embeds.device)
+            else:
+                if policy.uses_head or (policy.run_head and self.recall_head is not None):
+                    scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
+                select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())
-        if run_full:
+        rows = None if local_hidden is None or not run_full else self._retry_rows(
+            select_full, cache, attention_mask, position_ids, kwargs)
+        if rows is not None:
+            # Only the rows that chose Full: gather their history, recompute, scatter hidden state and KV back.
+            retry = cache.full_retry_rows(rows)
+            out = decoder(**{name: value.index_select(0, rows) for name, value in inputs.items()},
+                          attention_mask=None if attention_mask is None else attention_mask.index_select(0, rows),
+                          position_ids=None if position_ids is None else position_ids.index_select(0, rows),
+                          past_key_values=retry, use_cache=True, **kwargs)
+            cache.scatter_full_rows(retry, rows)
+            hidden = local_hidden.index_copy(0, rows, out.last_hidden_state[:, -1])
+        elif run_full:
             if local_hidden is not None:
                 cache.prepare_full_retry()
             cache.set_mode(FULL)
@@ -404,8 +426,28 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             hidden = full_hidden if local_hidden is None else select_rows(select_full, full_hidden, local_hidden)
         cache.commit(select_full if run_full else None)
         cache.selected_hidden = hidden
-        self.routing.record(select_full, scores)
+        self.routing.record(select_full, scores, in_window)
         return hidden[:, None]
+
+    def _retry_rows(self, select_full, cache, attention_mask, position_ids, kwargs) -> torch.Tensor | None:
+        """Rows (long ``[k]``) for a Full retry of those rows only, or None to retry the whole batch.
+
+        The whole batch is retried when at least `max_row_retry_fraction` of the rows chose Full (gathering
+        copies the selected rows' history, so a retry of most rows is cheaper in place), for hybrids (the
+        model updates recurrent state in place for the whole batch), and when an input cannot be split by
+        rows (a 4D or per-layer mask, multimodal 3D positions, other per-row tensors).
+        """
+        batch_size = select_full.shape[0]
+        rows = select_full.nonzero().flatten()
+        if rows.numel() > self.max_row_retry_fraction * batch_size or cache.linear_layers:
+            return None
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            return None
+        if position_ids is not None and position_ids.dim() != 2:
+            return None
+        if any(isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch_size for value in kwargs.values()):
+            return None
+        return rows
 
     def _local_masks(self, cache, embeds, attention_mask, position_ids):
         """Masks for the Local pass: explicit sinks+window visibility for global layers, native for others."""

@@ -14,7 +14,12 @@ import torch
 
 
 class RoutingPolicy(ABC):
-    """Base class. `decide` returns a bool tensor ``[batch]`` (True = recompute with Full)."""
+    """Base class. `decide` returns a bool tensor ``[batch]`` (True = recompute with Full).
+
+    A policy's `decide` is its only decision rule: the HF path calls it with the routed step as an int,
+    the static engine (`oda_fast=True`) calls `decide_on_device` with the step as a device tensor, so
+    neither path reads anything back from the device and both apply the same code.
+    """
 
     name = "policy"
     #: The policy needs the recall head's score to decide.
@@ -23,13 +28,30 @@ class RoutingPolicy(ABC):
     skips_local = False
     #: Run the head every step even though the decision does not depend on it (runtime benchmarks).
     run_head = False
+    #: The policy never selects Full (the engine skips writing Full candidates).
+    never_full = False
+    #: The static engine can run `decide_on_device` inside a captured step (tensor ops only, no host reads).
+    fast_path = False
+    #: Decisions come from host-side draws (Random): the engine precomputes them per request with `decide`.
+    host_draws = False
 
     def reset(self) -> None:
         """Called at the start of every request (prefill), so seeded policies are reproducible."""
 
     @abstractmethod
-    def decide(self, scores: torch.Tensor | None, step: int, batch_size: int, device) -> torch.Tensor:
-        """Decisions for routed `step` (1-based); `scores` are the head's q, or None if it did not run."""
+    def decide(self, scores: torch.Tensor | None, step, batch_size: int, device) -> torch.Tensor:
+        """Decisions for routed `step` (1-based: an int, or a long tensor ``[1]`` on the device); `scores` are the
+        head's q, or None if it did not run."""
+
+    def decide_on_device(self, scores: torch.Tensor | None, step: torch.Tensor, batch_size: int, device,
+                         threshold: torch.Tensor) -> torch.Tensor:
+        """The static engine's call: `decide` with a device step counter and the threshold as a device scalar
+        (so a captured graph bakes in neither)."""
+        return self.decide(scores, step, batch_size, device)
+
+    def graph_key(self) -> tuple:
+        """The values a captured step bakes in (constants of the rule): part of the engine's graph key."""
+        return (self.name,)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -44,8 +66,17 @@ class HeadPolicy(RoutingPolicy):
     def __init__(self, threshold: float = 0.0):
         self.threshold = float(threshold)
 
+    fast_path = True
+
     def decide(self, scores, step, batch_size, device):
-        return (scores > self.threshold) | ~torch.isfinite(scores)
+        return self._rule(scores, self.threshold)
+
+    def decide_on_device(self, scores, step, batch_size, device, threshold):
+        return self._rule(scores, threshold)
+
+    @staticmethod
+    def _rule(scores: torch.Tensor, threshold) -> torch.Tensor:
+        return (scores > threshold) | ~torch.isfinite(scores)
 
     def __repr__(self) -> str:
         return f"HeadPolicy(threshold={self.threshold})"
@@ -56,6 +87,7 @@ class AlwaysFullPolicy(RoutingPolicy):
 
     name = "full"
     skips_local = True
+    fast_path = True
 
     def decide(self, scores, step, batch_size, device):
         return torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -65,6 +97,8 @@ class AlwaysLocalPolicy(RoutingPolicy):
     """Every routed step uses Local: this is the StreamingLLM (sinks + window) baseline."""
 
     name = "local"
+    never_full = True
+    fast_path = True
 
     def decide(self, scores, step, batch_size, device):
         return torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -75,10 +109,13 @@ class RandomPolicy(RoutingPolicy):
 
     The generator is re-seeded at every request, so the same prompt and seed give the same draws.
     Draw ``i`` of a request is ``torch.rand(batch, generator=torch.Generator().manual_seed(seed))``
-    taken in step order, one row per column.
+    taken in step order, one row per column; steps within sinks + window take their draw too (and
+    ignore it), so a step's draw depends only on its number.
     """
 
     name = "random"
+    fast_path = True
+    host_draws = True
 
     def __init__(self, p: float, seed: int = 42, run_head: bool = False):
         if not (0.0 <= float(p) <= 1.0) or math.isnan(float(p)):
@@ -100,6 +137,7 @@ class SchedulePolicy(RoutingPolicy):
     """Full on the first ``k`` of every ``period`` routed steps (1-based steps), for every row."""
 
     name = "schedule"
+    fast_path = True
 
     def __init__(self, k: int, period: int, run_head: bool = False):
         if int(period) < 1 or not (0 <= int(k) <= int(period)):
@@ -111,8 +149,11 @@ class SchedulePolicy(RoutingPolicy):
         return self.k / self.period
 
     def decide(self, scores, step, batch_size, device):
-        full = (step - 1) % self.period < self.k
-        return torch.full((batch_size,), full, dtype=torch.bool, device=device)
+        step = torch.as_tensor(step, device=device).reshape(1)
+        return (torch.remainder(step - 1, self.period) < self.k).repeat(batch_size)
+
+    def graph_key(self) -> tuple:
+        return (self.name, self.k, self.period)
 
     def __repr__(self) -> str:
         return f"SchedulePolicy(k={self.k}, period={self.period})"

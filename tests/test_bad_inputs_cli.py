@@ -134,7 +134,7 @@ def test_local_policy_runs_once_the_request_passes_s_plus_w(files, capsys):
     code, err = oda(["generate", "--base", files / "base", "--policy", "local", "--window", "35", "--prompt", WORDS,
                      "--max-new-tokens", "4"], capsys)
     assert code == 0, err
-    assert "routed steps 3, Full calls 0" in err
+    assert "routed steps 3 (2 within sinks + window), Full calls 0" in err  # histories 38, 39 <= 39
 
 
 def test_train_head_tokenizer_defaults_to_base(files, capsys):

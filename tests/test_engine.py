@@ -105,6 +105,36 @@ def test_engine_matches_hf_path(policy):
     assert model.config._attn_implementation == "sdpa"  # restored after every step
 
 
+class RowParity(RoutingPolicy):
+    """A user policy with a per-row rule written once, in tensor ops: Full where step + row is even."""
+
+    name = "parity"
+    fast_path = True
+
+    def decide(self, scores, step, batch_size, device):
+        step = torch.as_tensor(step, device=device).reshape(1)
+        return torch.remainder(step + torch.arange(batch_size, device=device), 2) == 0
+
+
+def test_a_policy_owns_its_rule_on_both_paths():
+    # The engine calls the policy's own decide (no per-type copy of the rule), so a new policy runs there too.
+    model = make_model(policy=RowParity())
+    ids, mask = left_padded_prompts()
+    reference = hf_generate(model, ids, mask, max_new_tokens=12)
+    engine = OdaStaticEngine(model, max_length=21, batch_size=2, bucket_size=BUCKET)
+    got = engine_generate(engine, ids, mask, max_new_tokens=12)
+    assert_same(reference, got)
+    decisions = got[1].decisions
+    assert torch.equal(decisions[0], ~decisions[1]) and decisions[0, 1] and not decisions[0, 0]
+
+
+def test_engine_does_not_import_modeling():
+    # modeling imports the engine (generate(oda_fast=True)); the engine must not import modeling back.
+    code = "import sys, oda_hf.engine.engine; assert 'oda_hf.modeling' not in sys.modules, 'modeling imported'"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("policy", ["head", "schedule"])
 def test_engine_matches_hf_path_families(family, policy):

@@ -229,6 +229,22 @@ def test_pooled_and_task_averaged_rates_differ():
     assert "task-avg 45.00%" in text and "pooled 9.00%" in text
 
 
+def test_window_steps_are_set_apart_and_both_rates_named():
+    # 10 routed steps, 4 of them within sinks + window (Local, not decided), 3 Full calls past the window.
+    windowed = {**_record("short", "oda@0", 3, 10, 1.0, kind="oda", threshold=0.0), "window_steps": 4,
+                "window_full_calls": 0}
+    oda = report.summarize([windowed])["oda@0"]
+    assert oda.pooled_rate.mean == pytest.approx(3 / 6) and oda.paper_pooled_rate.mean == pytest.approx(3 / 10)
+    assert oda.window_steps == 4 and runner.task_rates([windowed])["short"] == pytest.approx(3 / 6)
+    full = {**_record("short", "full", 10, 10, 1.0), "window_steps": 4, "window_full_calls": 4}
+    assert report.summarize([full])["full"].pooled_rate.mean == 1.0
+    # Older records have no window fields: every step was decided.
+    old = _record("short", "oda@0", 3, 10, 1.0, kind="oda", threshold=0.0)
+    assert report.summarize([old])["oda@0"].pooled_rate.mean == pytest.approx(3 / 10)
+    text = report.markdown_report([windowed])
+    assert "In window" in text and "Paper rate (pooled)" in text and "| 4 | 3 | 50.00% |" in text
+
+
 def test_random_groups_report_mean_and_sample_std_across_seeds():
     records = []
     for seed, (score, calls) in {42: (1.0, 4), 43: (0.0, 6)}.items():

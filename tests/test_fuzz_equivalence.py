@@ -80,6 +80,10 @@ def test_generate_equals_the_independent_reference(case):
     got = torch.stack(out.logits, dim=1)
     decisions = model.routing.decisions
     assert decisions.shape == (len(case["lengths"]), new - 1)  # the prefill's output is not a routed step
+    # Step k (0-based) of a row with a prompt of n valid tokens has a history of n + k + 1 positions.
+    history = torch.tensor(case["lengths"])[:, None] + torch.arange(new - 1)[None, :] + 1
+    in_window = model.routing.in_window
+    assert torch.equal(in_window, history <= case["sinks"] + case["window"])
     if policy == "full":
         assert decisions.all()
         with torch.no_grad():
@@ -87,11 +91,13 @@ def test_generate_equals_the_independent_reference(case):
         assert torch.equal(out.sequences, stock.sequences)
         assert (got - torch.stack(stock.logits, dim=1)).abs().max().item() < TOL
         return
+    assert not decisions[in_window].any()  # in-window rows take Local: it reads what Full would
     if policy == "local":
         assert not decisions.any()
     if isinstance(policy, HeadPolicy):
-        scores = model.routing.scores
-        assert torch.equal(decisions, (scores > policy.threshold) | ~torch.isfinite(scores))
+        scores, decided = model.routing.scores, ~in_window
+        assert torch.equal(decisions[decided], ((scores > policy.threshold) | ~torch.isfinite(scores))[decided])
+        assert torch.isnan(scores[:, in_window.all(dim=0)]).all()  # the head did not run where every row is in it
     reference = replay_logits(base, out.sequences, mask, decisions, case["sinks"], case["window"])
     expected = step_logits_from_reference(reference, ids.shape[1], new)
     assert (got - expected).abs().max().item() < TOL

@@ -4,8 +4,10 @@ One routed step (paper Algorithm 1 and App. "Selected-state execution"), all on 
 
     embed(x_t) -> Local backbone (direct-ring kernel over the workspace) -> h_L
     q = head(h_prev, E, h_L)                    (when the policy runs the head)
-    select_full[b] = q > theta or q not finite   (or the schedule / precomputed Random decision)
-    if any(select_full): Full backbone over the cache's bucket columns (torch.cond: an IF node)
+    select_full[b] = the policy's rule (q > theta or q not finite; the schedule; precomputed Random draws),
+                     False for rows whose history is within s + w (Local == Full there, as on the HF path)
+    if any(select_full): Full backbone over the cache's bucket columns (torch.cond: an IF node), for the
+                         whole batch (a per-row retry would change shapes, which a captured graph fixes)
     h = select_full ? h_F : h_L   per row;  commit selected KV to cache column n and the ring
     h_prev = h;  n += 1;  valid_count += 1;  step_counter += 1
 
@@ -26,7 +28,6 @@ import torch
 from ..cache import workspace_geometry
 from ..compat import cache_kwargs
 from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted
-from ..modeling import OdaForCausalLM
 from . import routing as device_routing
 from .attention import FULL, LOCAL, PREFILL, EngineCache, LocalAttention, engine_attention, register_engine_attention
 from .graphs import (
@@ -52,6 +53,12 @@ from .support import (
 KERNEL_BACKENDS = ("triton", "sdpa", "reference")
 
 
+def _is_oda_model(model) -> bool:
+    # Checked by class name, not isinstance: importing oda_hf.modeling here would close an import circle
+    # (modeling imports the engine for generate(oda_fast=True)).
+    return any(cls.__name__ == "OdaForCausalLM" and cls.__module__ == "oda_hf.modeling" for cls in type(model).__mro__)
+
+
 class OdaStaticEngine:
     """A static decode engine for one `OdaForCausalLM` (full-attention families: Llama, Mistral, Qwen2, Qwen3).
 
@@ -74,13 +81,13 @@ class OdaStaticEngine:
     right after, so the same model keeps working on the HF path. `release()` frees buffers and graphs.
     """
 
-    def __init__(self, model: OdaForCausalLM, *, max_length: int, batch_size: int = 1,
+    def __init__(self, model, *, max_length: int, batch_size: int = 1,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, kernels: str = "auto", graph_mode: str = "auto",
                  conditional: str = "auto"):
         if fast_path_disabled():
             raise FastPathUnsupported(f"The fast path is disabled ({DISABLE_ENV}=1); use model.generate(...), the "
                                       "HF path.")
-        if not isinstance(model, OdaForCausalLM):
+        if not _is_oda_model(model):
             raise TypeError(f"OdaStaticEngine drives an OdaForCausalLM; got {type(model).__name__}.")
         check_model_supported(model)
         if max_length < 2 or batch_size < 1 or bucket_size < 1:
@@ -122,7 +129,7 @@ class OdaStaticEngine:
         self._length = 0  # committed columns n
         self._steps = 0  # routed steps in this request
         self._used = 0  # columns written since the last reset (what reset clears)
-        self._plan = None
+        self._plan = self._policy = None
         self._step_limit = 0
         self._finished_at = None
         self._routing = None
@@ -220,7 +227,7 @@ class OdaStaticEngine:
         self.reset()
         max_steps = self.capacity - length if max_steps is None else min(max_steps, self.capacity - length)
         device_routing.prepare_request(self.state, policy, plan, batch, max_steps)
-        self._plan, self._step_limit = plan, max_steps
+        self._plan, self._policy, self._step_limit = plan, policy, max_steps
         self._finished_at = torch.full((batch,), -1, dtype=torch.long)
 
     @torch.no_grad()
@@ -369,8 +376,16 @@ class OdaStaticEngine:
                                         oda_local_mask=self.local.visibility(state.valid_count))
         if plan.run_head:
             scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], local_hidden)
-        select_full = device_routing.decide(state, plan, scores)
-        device_routing.record(state, select_full, scores)
+        select_full = device_routing.decide(state, self._policy, plan, scores)
+        # Rows whose history is within s + w read the same positions either way: they take Local (as on the
+        # HF path). The head still runs here (static shapes), but its score is not recorded on steps where
+        # every row is in the window, where the HF path skips it.
+        in_window = state.valid_count + 1 <= self.sinks + self.window
+        if plan.run_local:
+            select_full = select_full & ~in_window
+            if scores is not None:
+                scores = torch.where(in_window.all(), torch.full_like(scores, float("nan")), scores)
+        device_routing.record(state, select_full, scores, in_window)
         if plan.run_local:
             pred = select_full.any() if force is None else self._forced[force]
             full_hidden = conditional(self.conditional, pred, self._full_branch, self._skip_branch,
@@ -378,7 +393,7 @@ class OdaStaticEngine:
             hidden = torch.where(select_full[:, None], full_hidden, local_hidden)
         else:
             hidden = self._full_branch(embeds, positions, full_mask)
-        self._commit(select_full, with_full=plan.rule != "local")
+        self._commit(select_full, with_full=not plan.never_full)
         state.selected_hidden.copy_(hidden)
         state.advance(select_full)
 

@@ -1,14 +1,11 @@
-"""Routing decisions made on the device, reproducing the HF path's policies exactly.
+"""Routing decisions made on the device with each policy's own rule (`RoutingPolicy.decide_on_device`).
 
-A `StepPlan` is the static shape of a step for one policy (does Local run, does the head run, which
-rule decides); it is part of a captured graph's key. Per-step values (scores, the step counter,
-precomputed draws) stay on the device, so a step never reads anything back to the host:
-
-* head: ``q > threshold`` or ``q`` not finite, per row (threshold is a device scalar);
-* schedule: Full when ``step_counter % period < k`` (the same 1-based rule as `SchedulePolicy`);
-* random: a per-step decision table filled at request start by a copy of the `RandomPolicy` itself
-  (re-seeded, one ``decide`` per step in step order), so the draws are the HF path's draws;
-* local / full: constants (always-Full skips the Local attempt, as on the HF path).
+A `StepPlan` is the static shape of a step for one policy (does Local run, does the head run, the
+constants its rule bakes in); it is part of a captured graph's key. Per-step values (scores, the step
+counter, the head's threshold, precomputed draws) stay on the device, so a step never reads anything
+back to the host. Policies whose decisions are host-side draws (`host_draws`, e.g. Random) get a
+per-step decision table filled at request start by a copy of the policy itself (re-seeded, one
+``decide`` per step in step order), so the draws are the HF path's draws.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policies import AlwaysFullPolicy, AlwaysLocalPolicy, HeadPolicy, RandomPolicy, RoutingPolicy, SchedulePolicy
+from ..policies import RoutingPolicy
 from ..routing import RoutingRecord
 from .state import EngineState
 from .support import FastPathUnsupported
@@ -26,39 +23,31 @@ from .support import FastPathUnsupported
 
 @dataclass(frozen=True)
 class StepPlan:
-    rule: str  # "head" | "schedule" | "table" | "local" | "full"
+    rule: tuple  # the policy's `graph_key()`: its name and the constants its rule bakes in
     run_local: bool
     run_head: bool
-    k: int = 0
-    period: int = 1
+    host_draws: bool = False
+    never_full: bool = False
 
 
 def plan_for(policy: RoutingPolicy, has_head: bool) -> StepPlan:
     """The step plan of a policy, with the HF path's rule for when the head runs."""
-    run_head = policy.uses_head or (policy.run_head and has_head)
-    if type(policy) is HeadPolicy:
-        if not has_head:
-            raise ValueError("policy='head' needs a recall head; attach one with model.set_head().")
-        return StepPlan("head", True, True)
-    if type(policy) is AlwaysFullPolicy:
-        return StepPlan("full", False, False)
-    if type(policy) is AlwaysLocalPolicy:
-        return StepPlan("local", True, run_head)
-    if type(policy) is SchedulePolicy:
-        return StepPlan("schedule", True, run_head, k=policy.k, period=policy.period)
-    if type(policy) is RandomPolicy:
-        return StepPlan("table", True, run_head)
-    raise FastPathUnsupported(
-        f"Routing policy {policy!r} is not supported by the fast path (it supports HeadPolicy, 'full', 'local', "
-        "SchedulePolicy and RandomPolicy). Use the HF path: model.generate(...) without oda_fast."
-    )
+    if not policy.fast_path:
+        raise FastPathUnsupported(
+            f"Routing policy {policy!r} does not declare a device rule (fast_path = True) so the fast path cannot run "
+            "it (it supports HeadPolicy, 'full', 'local', SchedulePolicy and RandomPolicy). Use the HF path: "
+            "model.generate(...) without oda_fast."
+        )
+    if policy.uses_head and not has_head:
+        raise ValueError("policy='head' needs a recall head; attach one with model.set_head().")
+    run_head = not policy.skips_local and (policy.uses_head or (policy.run_head and has_head))
+    return StepPlan(policy.graph_key(), not policy.skips_local, run_head, policy.host_draws, policy.never_full)
 
 
 def prepare_request(state: EngineState, policy: RoutingPolicy, plan: StepPlan, batch: int, max_steps: int) -> None:
     """Host-side, once per request: device threshold, and the decision table for table policies."""
-    if plan.rule == "head":
-        state.threshold.fill_(policy.threshold)
-    if plan.rule == "table":
+    state.threshold.fill_(float(getattr(policy, "threshold", 0.0)))  # what decide_on_device gets; rules without one ignore it
+    if plan.host_draws:
         if max_steps > state.decision_table.shape[0]:
             raise ValueError(f"{max_steps} routed steps exceed the engine's capacity {state.decision_table.shape[0]}.")
         draws = copy.deepcopy(policy)  # never advance the user's policy object
@@ -68,22 +57,19 @@ def prepare_request(state: EngineState, policy: RoutingPolicy, plan: StepPlan, b
             state.decision_table[:max_steps] = torch.stack(table).to(state.decision_table.device)
 
 
-def decide(state: EngineState, plan: StepPlan, scores: torch.Tensor | None) -> torch.Tensor:
+def decide(state: EngineState, policy: RoutingPolicy, plan: StepPlan, scores: torch.Tensor | None) -> torch.Tensor:
     """bool ``[B]`` on the device: True = this row selects Full at this step."""
-    batch = state.batch_size
-    if plan.rule == "head":
-        return (scores > state.threshold) | ~torch.isfinite(scores)
-    if plan.rule == "schedule":
-        return (torch.remainder(state.step_counter, plan.period) < plan.k).repeat(batch)
-    if plan.rule == "table":
-        return state.decision_table.index_select(0, state.step_counter).view(batch)
-    fill = plan.rule == "full"
-    return torch.full((batch,), fill, dtype=torch.bool, device=state.valid_count.device)
+    if plan.host_draws:
+        return state.decision_table.index_select(0, state.step_counter).view(state.batch_size)
+    # step_counter counts the steps taken; the policy's steps are 1-based.
+    return policy.decide_on_device(scores, state.step_counter + 1, state.batch_size, state.valid_count.device,
+                                   state.threshold)
 
 
-def record(state: EngineState, select_full: torch.Tensor, scores: torch.Tensor | None) -> None:
-    """Write this step's decisions (and scores) at row ``step_counter`` of the device record."""
+def record(state: EngineState, select_full: torch.Tensor, scores: torch.Tensor | None, in_window: torch.Tensor) -> None:
+    """Write this step's decisions, scores and window flags at row ``step_counter`` of the device record."""
     state.decisions.index_copy_(0, state.step_counter, select_full.view(1, -1))
+    state.in_window.index_copy_(0, state.step_counter, in_window.view(1, -1))
     if scores is not None:
         state.scores.index_copy_(0, state.step_counter, scores.detach().float().view(1, -1))
 
@@ -93,8 +79,9 @@ def routing_record(state: EngineState, steps: int, finished_at: torch.Tensor | N
     routing = RoutingRecord(state.batch_size)
     decisions = state.decisions[:steps].cpu()
     scores = state.scores[:steps].cpu()
+    in_window = state.in_window[:steps].cpu()
     for step in range(steps):
-        routing.record(decisions[step], scores[step])
+        routing.record(decisions[step], scores[step], in_window[step])
     if finished_at is not None:
         routing.finished_at = finished_at.clone()
     return routing

@@ -19,6 +19,7 @@ input_ids           long ``[B, 1]``                     the current token (copie
 step_counter        long ``[1]``                        routed steps taken in this request
 full_calls          long ``[B]``                        Full decisions per row in this request
 decisions / scores  ``[capacity, B]``                   per-step routing record (bool / fp32 score)
+in_window           bool ``[capacity, B]``              per-step: the row's history was within s + w
 decision_table      bool ``[capacity, B]``              precomputed per-step decisions (Random)
 threshold           fp32 ``[]``                         the head's threshold (not baked into graphs)
 ==================  ==================================  ===========================================
@@ -51,6 +52,7 @@ class EngineState:
     full_calls: torch.Tensor
     decisions: torch.Tensor
     scores: torch.Tensor
+    in_window: torch.Tensor
     decision_table: torch.Tensor
     threshold: torch.Tensor
     rows: torch.Tensor  # arange(B), for per-row workspace writes
@@ -77,6 +79,7 @@ class EngineState:
             full_calls=torch.zeros(batch, dtype=torch.long, device=device),
             decisions=torch.zeros(capacity, batch, dtype=torch.bool, device=device),
             scores=torch.full((capacity, batch), float("nan"), dtype=torch.float32, device=device),
+            in_window=torch.zeros(capacity, batch, dtype=torch.bool, device=device),
             decision_table=torch.zeros(capacity, batch, dtype=torch.bool, device=device),
             threshold=torch.zeros((), dtype=torch.float32, device=device),
             rows=torch.arange(batch, device=device),
@@ -108,8 +111,8 @@ class EngineState:
             self.cache_keys[:, :, :, :used_columns].zero_()
             self.cache_values[:, :, :, :used_columns].zero_()
         for name in ("ws_keys", "ws_values", "full_keys", "full_values", "cache_position", "valid_count",
-                     "selected_hidden", "input_ids", "step_counter", "full_calls", "decisions", "decision_table",
-                     "threshold"):
+                     "selected_hidden", "input_ids", "step_counter", "full_calls", "decisions", "in_window",
+                     "decision_table", "threshold"):
             getattr(self, name).zero_()
         self.scores.fill_(float("nan"))
         self.column_valid.fill_(True)
@@ -177,7 +180,7 @@ class EngineState:
         saved_current = [t[:, :, :, current].clone() for t in (self.ws_keys, self.ws_values)]
         saved_column = [t[:, :, :, column].clone() for t in (self.cache_keys, self.cache_values)]
         small = ("full_keys", "full_values", "cache_position", "valid_count", "selected_hidden", "step_counter",
-                 "full_calls", "decisions", "scores")
+                 "full_calls", "decisions", "scores", "in_window")
         saved_small = {name: getattr(self, name).clone() for name in small}
         try:
             yield

@@ -2,10 +2,14 @@
 
 Scores are reported in percent: a task's score is the mean of its examples' scores, and a policy's
 average is the unweighted mean over tasks (macro). Full-call rates (ODA_SPEC section 6), with
-``F_d`` Full decisions and ``N_d`` routed steps summed over the examples of task d:
+``F_d`` Full decisions and ``N_d`` routed steps past the window summed over the examples of task d
+(steps whose history is within sinks + window are not decided: Local and Full read the same positions):
 
 * pooled:        ``sum_d F_d / sum_d N_d``  (weights tasks by their routed steps);
-* task-averaged: ``mean_d F_d / N_d``       (weights tasks equally; tasks with N_d = 0 are left out).
+* task-averaged: ``mean_d F_d / N_d``       (weights tasks equally; tasks with N_d = 0 are left out);
+* paper (pooled): Full decisions over every routed step, in-window steps included (they count as Local,
+  except for the always-Full control). Records written before window steps were set apart have no
+  ``window_steps`` and count every step as decided.
 
 Random runs with several seeds form one group. As in the paper, every statistic is first computed
 within a seed (its task-averaged score, task-averaged and pooled rates, per-task values) and the
@@ -33,7 +37,9 @@ class TaskStats:
     examples: int = 0
     score_sum: float = 0.0
     full_calls: int = 0
-    routed_steps: int = 0
+    routed_steps: int = 0  # every step after the prefill (the paper's routed steps)
+    window_steps: int = 0  # of those, steps within sinks + window (not decided)
+    window_full_calls: int = 0  # Full calls on them (only the always-Full control makes them)
     cap_hits: int = 0
 
     @property
@@ -43,6 +49,13 @@ class TaskStats:
 
     @property
     def rate(self) -> float:
+        """Full-call rate over the steps past the window."""
+        steps = self.routed_steps - self.window_steps
+        return (self.full_calls - self.window_full_calls) / steps if steps else float("nan")
+
+    @property
+    def paper_rate(self) -> float:
+        """The paper's Full-call rate: over every routed step."""
         return self.full_calls / self.routed_steps if self.routed_steps else float("nan")
 
 
@@ -59,6 +72,8 @@ class PolicyStats:
         stats.score_sum += record["score"]
         stats.full_calls += record["full_calls"]
         stats.routed_steps += record["routed_steps"]
+        stats.window_steps += record.get("window_steps", 0)  # older records: no window steps were set apart
+        stats.window_full_calls += record.get("window_full_calls", 0)
         stats.cap_hits += bool(record["hit_cap"])
 
     @property
@@ -75,7 +90,19 @@ class PolicyStats:
         return sum(t.routed_steps for t in self.tasks.values())
 
     @property
+    def window_steps(self) -> int:
+        return sum(t.window_steps for t in self.tasks.values())
+
+    @property
     def pooled_rate(self) -> float:
+        """Pooled Full-call rate over the steps past the window."""
+        steps = self.routed_steps - self.window_steps
+        window_calls = sum(t.window_full_calls for t in self.tasks.values())
+        return (self.full_calls - window_calls) / steps if steps else float("nan")
+
+    @property
+    def paper_pooled_rate(self) -> float:
+        """The paper's pooled rate: Full calls over every routed step."""
         return self.full_calls / self.routed_steps if self.routed_steps else float("nan")
 
     @property
@@ -140,6 +167,14 @@ class GroupSummary:
     @property
     def task_averaged_rate(self) -> Estimate:
         return Estimate.of([run.task_averaged_rate for run in self.runs])
+
+    @property
+    def paper_pooled_rate(self) -> Estimate:
+        return Estimate.of([run.paper_pooled_rate for run in self.runs])
+
+    @property
+    def window_steps(self) -> int:
+        return sum(run.window_steps for run in self.runs)
 
     @property
     def cap_hits(self) -> int:
@@ -266,12 +301,13 @@ def sweep_table(groups: dict[str, GroupSummary]) -> str:
 
 def routing_table(groups: dict[str, GroupSummary]) -> str:
     """Per policy group: generations, routed steps, Full calls, both rates, output-cap hits."""
-    lines = ["| Policy | Runs | Generations | Routed steps | Full calls | Full-call rate (pooled) | "
-             "Full-call rate (task-avg) | Output-cap hits |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| Policy | Runs | Generations | Routed steps | In window | Full calls | Full-call rate (pooled) | "
+             "Full-call rate (task-avg) | Paper rate (pooled) | Output-cap hits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for g in groups.values():
-        lines.append(f"| {_title(g)} | {g.seeds} | {g.examples} | {g.routed_steps} | {g.full_calls} | "
-                     f"{_num(g.pooled_rate, 100, '%')} | {_num(g.task_averaged_rate, 100, '%')} | "
-                     f"{g.cap_hits}/{g.examples} |")
+        lines.append(f"| {_title(g)} | {g.seeds} | {g.examples} | {g.routed_steps} | {g.window_steps} | {g.full_calls} "
+                     f"| {_num(g.pooled_rate, 100, '%')} | {_num(g.task_averaged_rate, 100, '%')} | "
+                     f"{_num(g.paper_pooled_rate, 100, '%')} | {g.cap_hits}/{g.examples} |")
     return "\n".join(lines)
 
 
@@ -282,8 +318,9 @@ def markdown_report(records: Sequence[dict], primary_threshold: float | None = N
     metrics = sorted({(r["task"], r["metric"]) for r in records})
     parts = [f"# {title}", "",
              "Scores in percent (task mean of example scores; Avg = unweighted mean over tasks). Rates beside a "
-             "score are that task's Full-call rate F_d/N_d. Avg rates: task-avg = mean_d F_d/N_d, "
-             "pooled = sum F_d / sum N_d. Random entries: mean ± sample std across seeds.", "",
+             "score are that task's Full-call rate F_d/N_d over the routed steps past sinks + window. Avg rates: "
+             "task-avg = mean_d F_d/N_d, pooled = sum F_d / sum N_d; the paper's rate counts every routed step. "
+             "Random entries: mean ± sample std across seeds.", "",
              "## Quality", "", main_table(groups, primary_threshold), ""]
     odas = sum(g.kind == "oda" for g in groups.values())
     if odas > 1 or (odas and any(g.group.startswith("random~") for g in groups.values())):

@@ -473,6 +473,9 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
         "output": text, "output_ids": new_ids,
         "score": score_example(example.metric, text, example.answers),
         "decisions": [int(d) for d in decisions], "routed_steps": steps, "full_calls": int(sum(decisions)),
+        # Steps within sinks + window (not decided; Local == Full there) and the Full calls among them.
+        "window_steps": int(routing.window_steps_per_row[0]),
+        "window_full_calls": int(routing.window_full_calls_per_row[0]),
         "hit_cap": hit_output_cap(new_ids, example.max_new_tokens, eos),
         "num_input_tokens": len(input_ids), "num_output_tokens": len(new_ids),
         "max_new_tokens": example.max_new_tokens,
@@ -486,12 +489,20 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
 # -- the evaluation loop -------------------------------------------------------------------------------
 
 
+def decided_counts(record: dict) -> tuple[int, int]:
+    """``(Full calls, steps)`` of a record past the window (records written before window steps were counted
+    separately have no ``window_steps``: every step was decided then)."""
+    return (record["full_calls"] - record.get("window_full_calls", 0),
+            record["routed_steps"] - record.get("window_steps", 0))
+
+
 def task_rates(records: Iterable[dict]) -> dict[str, float]:
-    """Per-task Full-call rate ``F_d / N_d`` (NaN for a task without routed steps)."""
+    """Per-task Full-call rate ``F_d / N_d`` over the steps past the window (NaN for a task without such steps)."""
     full_calls, steps = {}, {}
     for r in records:
-        full_calls[r["task"]] = full_calls.get(r["task"], 0) + r["full_calls"]
-        steps[r["task"]] = steps.get(r["task"], 0) + r["routed_steps"]
+        calls, decided = decided_counts(r)
+        full_calls[r["task"]] = full_calls.get(r["task"], 0) + calls
+        steps[r["task"]] = steps.get(r["task"], 0) + decided
     return {task: full_calls[task] / steps[task] if steps[task] else float("nan") for task in steps}
 
 

@@ -1,0 +1,121 @@
+"""Steps whose history is within sinks + window: Local reads what Full reads, so no head, no retry, and the
+record names them (``in_window``) and keeps both rates (past the window, and the paper's over all steps)."""
+
+import pytest
+import torch
+
+from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
+from oda_hf.engine import OdaStaticEngine
+from oda_hf.routing import RoutingRecord
+from reference import replay_logits, step_logits_from_reference
+from tiny_models import left_padded_prompts, tiny_model
+
+SINKS, WINDOW = 2, 4  # s + w = 6
+TOL = 2e-5
+
+
+def make(policy, family="qwen3"):
+    base = tiny_model(family)
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    return OdaForCausalLM(base, head, OdaConfig(sinks=SINKS, window=WINDOW, policy=policy))
+
+
+def generate(model, ids, mask, new):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+def count_calls(module):
+    calls = []
+    module.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_in_window_steps_skip_head_and_retry_and_match_the_reference(family):
+    # One row, 3 prompt tokens: steps 1..3 have histories 4..6 <= s + w; from step 4 on they are past it.
+    model = make(RandomPolicy(1.0, seed=0), family)  # wants Full on every step it decides
+    ids, mask = left_padded_prompts(1, 3, pads=(0,))
+    decoder_calls = count_calls(model.get_decoder())
+    out = generate(model, ids, mask, new=9)
+    routing = model.routing
+    window = torch.tensor([[True, True, True, False, False, False, False, False]])
+    assert torch.equal(routing.in_window, window)
+    assert torch.equal(routing.decisions, ~window)  # in-window steps take Local
+    # prefill + 3 Local-only steps + 5 steps of Local and Full
+    assert len(decoder_calls) == 1 + 3 + 2 * 5
+    reference = replay_logits(model.base_model, out.sequences, mask, routing.decisions, SINKS, WINDOW)
+    expected = step_logits_from_reference(reference, ids.shape[1], 9)
+    assert (torch.stack(out.logits, dim=1) - expected).abs().max().item() < TOL
+    # Both rates, named: past the window (5 of 5) and the paper's over every routed step (5 of 8).
+    assert routing.full_call_rate == 1.0
+    assert routing.paper_full_call_rate == pytest.approx(5 / 8)
+    assert routing.window_steps_per_row.tolist() == [3] and routing.decided_steps_per_row.tolist() == [5]
+    assert "3 within sinks + window" in routing.summary()
+
+
+def test_the_head_does_not_run_while_every_row_is_in_the_window():
+    model = make("head")
+    head_calls = count_calls(model.recall_head)
+    ids, mask = left_padded_prompts(2, 4, pads=(2, 0))  # valid prompts of 2 and 4 tokens
+    generate(model, ids, mask, new=8)
+    routing = model.routing
+    # Histories: row 0 3..9, row 1 5..11; row 1 is past s + w = 6 from step 3 on, row 0 from step 5 on.
+    all_in = routing.in_window.all(dim=0)
+    assert all_in.tolist() == [True, True, False, False, False, False, False]
+    assert len(head_calls) == int((~all_in).sum())
+    assert torch.isnan(routing.scores[:, all_in]).all()
+    # Mixed steps: the head ran for both rows, but the row still in the window takes Local.
+    mixed = routing.in_window.any(dim=0) & ~all_in
+    assert mixed.any() and torch.isfinite(routing.scores[:, mixed]).all()
+    assert not routing.decisions[routing.in_window].any()
+
+
+def test_always_full_still_equals_stock_generate_and_counts_full_in_the_window():
+    model = make("full")
+    ids, mask = left_padded_prompts(2, 4, pads=(2, 0))
+    out = generate(model, ids, mask, new=8)
+    stock = model.base_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                                      do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, stock)
+    routing = model.routing
+    assert routing.decisions.all() and routing.in_window.any()
+    assert routing.full_call_rate == 1.0 and routing.paper_full_call_rate == 1.0
+
+
+def test_in_window_steps_consume_their_random_draw():
+    # Draw i belongs to step i whether or not the step was in the window (as the engine's precomputed table).
+    policy = RandomPolicy(0.5, seed=7)
+    model = make(policy)
+    ids, mask = left_padded_prompts(2, 3, pads=(0, 0))
+    generate(model, ids, mask, new=10)
+    generator = torch.Generator().manual_seed(7)
+    draws = torch.stack([torch.rand(2, generator=generator) < 0.5 for _ in range(9)], dim=1)
+    routing = model.routing
+    assert routing.in_window[:, :3].all() and not routing.in_window[:, 3:].any()
+    assert torch.equal(routing.decisions, draws & ~routing.in_window)
+
+
+@pytest.mark.parametrize("policy", ["head", "full", SchedulePolicy(1, 2), RandomPolicy(0.6, seed=3)],
+                         ids=["head", "full", "schedule", "random"])
+def test_engine_matches_hf_path_across_the_window(policy):
+    model = make(policy)
+    ids, mask = left_padded_prompts(2, 5, pads=(3, 0))  # rows enter past-window steps at different steps
+    reference = generate(model, ids, mask, new=10)
+    hf = model.routing
+    engine = OdaStaticEngine(model, max_length=15, batch_size=2, bucket_size=8)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(reference.sequences, got.sequences)
+    assert torch.equal(hf.in_window, engine.routing.in_window) and hf.in_window.any() and not hf.in_window.all()
+    assert torch.equal(hf.decisions, engine.routing.decisions)
+    assert torch.allclose(hf.scores, engine.routing.scores, atol=1e-5, equal_nan=True)
+
+
+def test_records_without_window_flags_count_every_step_as_decided():
+    routing = RoutingRecord(1)
+    for decision in (True, False, False, True):
+        routing.record(torch.tensor([decision]), None)
+    assert routing.window_steps_per_row.tolist() == [0]
+    assert routing.full_call_rate == routing.paper_full_call_rate == 0.5
