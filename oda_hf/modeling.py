@@ -413,7 +413,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             out = decoder(**{name: value.index_select(0, rows) for name, value in inputs.items()},
                           attention_mask=None if attention_mask is None else attention_mask.index_select(0, rows),
                           position_ids=None if position_ids is None else position_ids.index_select(0, rows),
-                          past_key_values=retry, use_cache=True, **kwargs)
+                          **cache_kwargs(retry), use_cache=True, **kwargs)
             cache.scatter_full_rows(retry, rows)
             hidden = local_hidden.index_copy(0, rows, out.last_hidden_state[:, -1])
         elif run_full:
