@@ -103,6 +103,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         base, head = resolve_base(base), resolve_head(head)  # short names: "smollm2", "organism"
         if isinstance(base, (str, os.PathLike)):
             base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
+            base = resolve_base(base)  # a head may record a short name as its base ("smollm2")
         if isinstance(head, (str, os.PathLike)):
             name = os.fspath(head)
             head = _load_head(name, head_kwargs or {})

