@@ -107,17 +107,19 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>").save_pretrained(base_dir)
     head_dir = head_folder(model, tmp_path / "head")
-    for name, seed in (("dev.jsonl", 0), ("test.jsonl", 1)):
+    (tmp_path / "test").mkdir()  # the test prompts as a folder of JSONL files, as `oda ruler` writes them
+    for name, seed in (("dev.jsonl", 0), ("test/tasks.jsonl", 1)):
         suites.write_examples(examples(3, seed), tmp_path / name)
     parser = argparse.ArgumentParser()
     calibrate_cli.add_cli(parser.add_subparsers(dest="command"))
     command = ["calibrate", "--base", str(base_dir), "--head", str(head_dir), "--data", str(tmp_path / "dev.jsonl"),
-               "--test-data", str(tmp_path / "test.jsonl"), "--target-rate", "0.5", "--grid", *map(str, GRID),
+               "--test-data", str(tmp_path / "test"), "--target-rate", "0.5", "--grid", *map(str, GRID),
                "--refine-steps", "2", "--out", str(tmp_path / "out"), "--no-progress", "--threads", "1"]
     args = parser.parse_args(command)
     assert args.func(args) == 0
     saved = json.loads((head_dir / "calibration.json").read_text())
     assert saved["dev_sha256"] == file_sha256(tmp_path / "dev.jsonl") and "test" in saved
+    assert saved["test_sha256"] == suites.suite_sha256(tmp_path / "test")
     loaded = OdaForCausalLM.from_pretrained(str(base_dir), head=str(head_dir))
     assert loaded.oda_config.threshold == saved["chosen"]["threshold"] and saved["chosen"]["pooled_full_call_rate"] <= 0.5
     with pytest.raises(UsageError, match="--target-rate"):
@@ -127,3 +129,19 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
         args = parser.parse_args(["calibrate", "--base", str(base_dir), "--head", "someone/head", "--data",
                                   str(tmp_path / "dev.jsonl"), "--within-full", "1", "--out", str(tmp_path / "o3")])
         args.func(args)
+
+
+def test_suite_sha256_covers_every_file_and_its_name(tmp_path):
+    folder = tmp_path / "suite"
+    (folder / "a").mkdir(parents=True)
+    suites.write_examples(examples(2, 0), folder / "a" / "x.jsonl")
+    suites.write_examples(examples(2, 1), folder / "y.jsonl")
+    first = suites.suite_sha256(folder)
+    assert suites.suite_sha256(folder / "y.jsonl") == file_sha256(folder / "y.jsonl")
+    (folder / "notes.txt").write_text("not read by load_examples")
+    assert suites.suite_sha256(folder) == first
+    (folder / "y.jsonl").rename(folder / "z.jsonl")
+    renamed = suites.suite_sha256(folder)
+    assert renamed != first
+    suites.write_examples(examples(2, 2), folder / "z.jsonl")
+    assert suites.suite_sha256(folder) not in (first, renamed)

@@ -49,9 +49,8 @@ def run_cli(args) -> int:
     import torch
 
     from ..modeling import OdaForCausalLM
-    from ..known_models import file_sha256
     from .calibration import DEFAULT_GRID, _check_rate, calibrate, save_calibration
-    from .suites import load_examples
+    from .suites import load_examples, suite_sha256
 
     if args.target_rate is not None:
         try:
@@ -80,11 +79,11 @@ def run_cli(args) -> int:
         model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=torch_dtype(args.dtype),
                                                policy="head", **routing)
     model.eval()
-    provenance = {"dev_data": os.path.basename(args.data), "dev_sha256": file_sha256(args.data),
+    provenance = {"dev_data": os.path.basename(args.data), "dev_sha256": suite_sha256(args.data),
                   "sinks": model.oda_config.sinks, "window": model.oda_config.window,
                   "chat_template": args.chat_template}
     if args.test_data:
-        provenance.update(test_data=os.path.basename(args.test_data), test_sha256=file_sha256(args.test_data))
+        provenance.update(test_data=os.path.basename(args.test_data), test_sha256=suite_sha256(args.test_data))
     try:
         result = calibrate(model, tokenizer, dev, args.out, target_rate=args.target_rate, within_full=args.within_full,
                            grid=args.grid if args.grid is not None else DEFAULT_GRID, refine_steps=args.refine_steps, chat_template=args.chat_template,

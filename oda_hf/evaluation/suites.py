@@ -307,6 +307,26 @@ def _read_jsonl(path) -> Iterable[tuple[int, dict]]:
             yield number, record
 
 
+def suite_sha256(source: str | os.PathLike) -> str:
+    """SHA-256 of the suite `load_examples(source)` reads: a JSONL file's bytes, or for a folder every JSONL file
+    under it (relative name and bytes, in reading order), so a calibration or evaluation can tell its data."""
+    import hashlib
+
+    root = os.fspath(source)
+    files = _expand(root)
+    if files == [root]:
+        from ..known_models import file_sha256
+        return file_sha256(root)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def _expand(paths) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
