@@ -1,8 +1,9 @@
 """One table (and plot) of SmolLM2 RULER results over lengths, from `oda eval` output folders.
 
-    python benchmarks/smollm2/summarize.py runs/smollm2/baselines --out benchmarks/results/smollm2_ruler_baselines
+    python benchmarks/smollm2/summarize.py runs/smollm2/baselines runs/smollm2/oda-test --out benchmarks/results/smollm2/ruler
 
-reads `<folder>/<length>/results.jsonl` for every length folder present and writes `<out>.md` (per task and length:
+reads `<folder>/<length>/results.jsonl` for every length folder present in each folder (records of several
+folders for the same length are merged, e.g. baselines run without a head and ODA runs with one) and writes `<out>.md` (per task and length:
 each policy group's score in percent, Random as mean over seeds, with the number of prompts; macro row; pooled
 Full-call rates) and `<out>.png` (macro score against length). Partial runs are summarised as they stand; the
 table says how many prompts each cell has.
@@ -17,14 +18,19 @@ import os
 from oda_hf.evaluation.report import summarize, task_order
 
 
-def load(folder: str) -> dict[int, list[dict]]:
-    runs = {}
-    for name in sorted(os.listdir(folder), key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0)):
-        path = os.path.join(folder, name, "results.jsonl")
-        if name.isdigit() and os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                runs[int(name)] = [json.loads(line) for line in f if line.strip().endswith("}")]
-    return runs
+def load(*folders: str) -> dict[int, list[dict]]:
+    """Records per prompt length over `folders`; one record per (prompt, policy), the first folder's first."""
+    runs: dict[int, dict[tuple, dict]] = {}
+    for folder in folders:
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name, "results.jsonl")
+            if name.isdigit() and os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    for line in f:
+                        if line.strip().endswith("}"):
+                            record = json.loads(line)
+                            runs.setdefault(int(name), {}).setdefault((record["id"], record["policy"]), record)
+    return {length: list(runs[length].values()) for length in sorted(runs)}
 
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
@@ -45,15 +51,17 @@ def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
                 counts.add(sum(1 for r in runs[length] if r["task"] == task and r["group"] == group) // max(g.seeds, 1))
                 cells.append(f"{g.task_score(task).mean:.1f}")
             lines.append(f"| {task} | {length} | {'/'.join(map(str, sorted(counts)))} | " + " | ".join(cells) + " |")
-        row, rates = [], []
+        row, rates, averaged = [], [], []
         for group in groups:
             g = summary.get(group)
             row.append("-" if g is None else f"**{g.score.mean:.1f}**")
             rates.append("-" if g is None else f"{100 * g.pooled_rate.mean:.1f}%")
+            averaged.append("-" if g is None else f"{100 * g.task_averaged_rate.mean:.1f}%")
             if g is not None:
                 macro.setdefault(group, {})[length] = g.score.mean
         lines.append(f"| **macro** | {length} | | " + " | ".join(row) + " |")
         lines.append(f"| pooled Full-call rate | {length} | | " + " | ".join(rates) + " |")
+        lines.append(f"| task-averaged Full-call rate | {length} | | " + " | ".join(averaged) + " |")
     return "\n".join(lines) + "\n", macro
 
 
@@ -79,12 +87,12 @@ def plot(macro: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder")
+    parser.add_argument("folders", nargs="+", help="oda eval output folders holding <length>/results.jsonl")
     parser.add_argument("--out", required=True, help="output path without suffix (.md and .png are written)")
     args = parser.parse_args()
-    runs = load(args.folder)
+    runs = load(*args.folders)
     if not runs:
-        raise SystemExit(f"No <length>/results.jsonl under {args.folder}.")
+        raise SystemExit(f"No <length>/results.jsonl under {' '.join(args.folders)}.")
     text, macro = table(runs)
     with open(args.out + ".md", "w", encoding="utf-8") as f:
         f.write(text)

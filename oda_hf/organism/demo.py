@@ -145,7 +145,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--output", default="oda_demo", help="folder for trajectory.html / trajectory.png")
     parser.add_argument("--threshold", type=float, default=None,
                         help="ODA threshold theta (default: the head's saved one, chosen on dev)")
-    parser.add_argument("--tasks", default=None, help="comma-separated subset of the demo's task families")
+    parser.add_argument("--tasks", default=None,
+                        help="comma-separated task families: for SmolLM2 any RULER task (default niah_single_2, "
+                             "niah_multikey_1, vt), for the organism a subset of its six")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     parser.set_defaults(func=_run_demo_command)
 
@@ -153,16 +155,29 @@ def add_cli(subparsers) -> None:
 def _run_demo_command(args) -> int:
     import torch
 
+    from ..evaluation.ruler_synth import TASKS as RULER_TASKS
+
+    wanted = args.tasks.split(",") if args.tasks else None
+    organism_tasks = [task for task, _ in DEMO_PROMPTS]
+    smollm2 = args.model != "organism" and args.organism is None
+    if wanted:  # checked before anything is fetched or loaded
+        known = {"smollm2": set(RULER_TASKS), "organism": set(organism_tasks),
+                 "auto": set(RULER_TASKS) | set(organism_tasks)}[args.model if smollm2 else "organism"]
+        unknown = sorted(set(wanted) - known)
+        if unknown:
+            raise UsageError(f"--tasks: unknown demo tasks {unknown}; choose from {sorted(known)}")
+        if smollm2 and args.model == "auto" and not set(wanted) <= set(RULER_TASKS):
+            print(f"[oda demo] {sorted(set(wanted) - set(RULER_TASKS))} are organism tasks only: running the model "
+                  "organism.\n")
+            smollm2 = False
     torch.set_num_threads(args.threads)
-    if args.model != "organism" and args.organism is None and _run_smollm2(args):
+    if smollm2 and _run_smollm2(args, wanted):
         return 0
     prompts = DEMO_PROMPTS
-    if args.tasks:
-        wanted = args.tasks.split(",")
-        unknown = sorted(set(wanted) - {task for task, _ in DEMO_PROMPTS})
-        if unknown:
-            raise UsageError(f"--tasks: unknown demo tasks {unknown}; choose from {[task for task, _ in DEMO_PROMPTS]}")
+    if wanted:
         prompts = tuple(p for p in DEMO_PROMPTS if p[0] in wanted)
+        if not prompts:
+            raise UsageError(f"--tasks: none of {wanted} is an organism demo task; choose from {organism_tasks}")
     problem = organism_problem(args.organism) if args.organism else None
     if problem:
         raise UsageError(f"--organism: {problem}")
@@ -170,9 +185,10 @@ def _run_demo_command(args) -> int:
     return 0
 
 
-def _run_smollm2(args) -> bool:
+def _run_smollm2(args, tasks=None) -> bool:
     """Run the SmolLM2 demo if it can run; say why not (and fall back to the organism) where it cannot."""
     from ..known_models import FetchError, resolve_head
+    from ..smollm2_demo import DEMO_LENGTH, DEMO_PROMPTS as SMOLLM2_PROMPTS
 
     head = args.head
     if head is None:
@@ -187,8 +203,9 @@ def _run_smollm2(args) -> bool:
         raise UsageError(f"--head {head} does not exist.")
     from ..smollm2_demo import run_smollm2_demo
 
+    prompts = tuple((task, DEMO_LENGTH) for task in tasks) if tasks else SMOLLM2_PROMPTS
     try:
-        run_smollm2_demo(head, args.output, threshold=args.threshold)
+        run_smollm2_demo(head, args.output, prompts=prompts, threshold=args.threshold)
     except FetchError as err:
         if args.model == "smollm2":
             raise UsageError(str(err)) from None
