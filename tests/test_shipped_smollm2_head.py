@@ -1,0 +1,72 @@
+"""The SmolLM2 recall head shipped in the package: complete, calibrated on dev, loadable by its short name.
+
+SmolLM2 itself is not downloaded here: a random model with SmolLM2's shapes (one layer) stands in for it, which
+checks that the head attaches and routes; its quality is measured in benchmarks/results/smollm2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from oda_hf import OdaForCausalLM, RecallHead
+from oda_hf.known_models import resolve_head
+
+HEAD = resolve_head("smollm2")
+
+
+def test_shipped_head_is_complete_and_names_its_base():
+    for name in ("config.json", "model.safetensors", "oda_config.json", "calibration.json", "README.md"):
+        assert os.path.isfile(os.path.join(HEAD, name)), name
+    head = RecallHead.from_pretrained(HEAD)
+    assert head.config.base_model_name_or_path == "smollm2" and head.config.base_fingerprint.startswith("sha256:")
+    assert (head.config.hidden_size, head.config.base_vocab_size) == (576, 49152)
+    assert (head.config.sinks, head.config.window) == (4, 256)
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+
+
+def test_shipped_threshold_is_the_dev_calibration_and_the_card_quotes_it():
+    with open(os.path.join(HEAD, "calibration.json")) as f:
+        calibration = json.load(f)
+    with open(os.path.join(HEAD, "oda_config.json")) as f:
+        routing = json.load(f)
+    assert calibration["split"] == "dev" and routing["policy"] == "head"
+    assert routing["threshold"] == calibration["chosen"]["threshold"]
+    assert calibration["chosen"] in calibration["sweep"]
+    card = open(os.path.join(HEAD, "README.md"), encoding="utf-8").read()
+    assert f"theta = {routing['threshold']:g}" in card and "Held-out RULER test split" in card
+    assert "| **macro** | 2048 |" in card
+
+
+def test_shipped_head_round_trips_bit_exact(tmp_path):
+    head = RecallHead.from_pretrained(HEAD)
+    head.save_pretrained(tmp_path)
+    again = RecallHead.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped_base():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         tie_word_embeddings=True, rope_theta=1e5)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_short_names_attach_the_shipped_head_with_its_threshold(smollm2_shaped_base, caplog):
+    model = OdaForCausalLM.from_pretrained(smollm2_shaped_base, head="smollm2")
+    assert "weights" in caplog.text.lower()  # a base with other weights than the head's is named in a warning
+    with open(os.path.join(HEAD, "oda_config.json")) as f:
+        assert model.oda_config.threshold == json.load(f)["threshold"]
+    assert (model.oda_config.sinks, model.oda_config.window) == (4, 256)
+    ids = torch.randint(0, 49152, (1, 300))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 304)
+    assert model.routing.scores.shape[1] == 3 and torch.isfinite(model.routing.scores).all()
