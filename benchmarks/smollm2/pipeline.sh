@@ -4,7 +4,8 @@
 #   RUN=runs/smollm2 nohup bash benchmarks/smollm2/pipeline.sh > smollm2.log 2>&1 &
 # STEPS selects steps (default: all), e.g. STEPS="baselines" or STEPS="cache train diagnose".
 set -euo pipefail
-RUN=${RUN:-runs/smollm2}; STEPS=${STEPS:-"fetch data baselines cache train diagnose"}
+RUN=${RUN:-runs/smollm2}; STEPS=${STEPS:-"fetch data baselines cache train calibrate oda diagnose ship"}
+THETA=${THETA:-0.2}  # the threshold `calibrate` chose for the shipped head (dev split, within 2 points of Full)
 export OMP_NUM_THREADS=1  # one thread per job is faster than two on a busy 2-core machine
 oda=(oda); py=(python)
 mkdir -p "$RUN"
@@ -12,7 +13,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 has fetch && "${oda[@]}" fetch smollm2
 if has data; then
   [ -f "$RUN/train.jsonl" ] || "${py[@]}" benchmarks/smollm2/head_data.py --tokenizer smollm2 --out "$RUN/train.jsonl"
-  for split in dev test; do
+  for split in test; do
     [ -f "$RUN/${split}_references.jsonl" ] || "${py[@]}" benchmarks/smollm2/head_data.py --tokenizer smollm2 \
       --split $split --reference-window 32 --n 2 2 --prose 6 --out "$RUN/${split}_references.jsonl"
   done
@@ -32,9 +33,23 @@ has cache && "${oda[@]}" cache-supervision --base smollm2 --data "$RUN/train.jso
   --sinks 4 --window 256 --tau-hist 0.001 --seq-len 2048 --rows-per-shard 8 --threads 1
 has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base smollm2 --from-cache "$RUN/cache" \
   --output "$RUN/head" --epochs 20 --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
-if has diagnose; then  # fixed-reference gains on held-out sequences: head vs Local-confidence baselines
-  for split in dev test; do
-    "${oda[@]}" diagnose --base smollm2 --head "$RUN/head" --data "$RUN/${split}_references.jsonl" \
-      --positions 128 --out "$RUN/diagnose-$split" --no-progress
+has calibrate && "${oda[@]}" calibrate --base smollm2 --head "$RUN/head" --data "$RUN/ruler-dev/kjv/2048" \
+  --within-full 2 --grid -0.1 -0.02 0 0.02 0.05 0.1 0.15 0.2 0.25 0.35 0.5 --chat-template \
+  --out "$RUN/calibrate-dev" --threads 1
+if has oda; then  # ODA: a threshold sweep, then Random matched to ODA's per-task rate at THETA (seeds 42-44)
+  "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/2048" \
+    --policies oda --thresholds 0 0.02 0.05 0.1 0.25 --out "$RUN/oda-test/2048"
+  "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/2048" \
+    --policies oda random --thresholds "$THETA" --seeds 42 43 44 --primary-threshold "$THETA" --out "$RUN/oda-test/2048"
+  for L in 4096 7000; do  # every policy of a prompt shares one Full prefill
+    "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/$L" \
+      --policies full local random:0.125 random:0.25 random:0.5 oda random --thresholds "$THETA" --seeds 42 \
+      --primary-threshold "$THETA" --limit "${LIMIT:-10}" --out "$RUN/oda-test/$L"
   done
 fi
+if has diagnose; then  # fixed-reference gains on held-out sequences: head vs Local-confidence baselines
+  "${oda[@]}" diagnose --base smollm2 --head "$RUN/head" --data "$RUN/test_references.jsonl" \
+    --positions 128 --out "$RUN/diagnose-test" --no-progress
+fi
+has ship && "${py[@]}" benchmarks/smollm2/ship_head.py --head "$RUN/head" \
+  --eval benchmarks/results/smollm2/baselines "$RUN/oda-test" --diagnose "$RUN/diagnose-test"
