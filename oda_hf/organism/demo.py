@@ -161,14 +161,13 @@ def _run_demo_command(args) -> int:
     organism_tasks = [task for task, _ in DEMO_PROMPTS]
     smollm2 = args.model != "organism" and args.organism is None
     if wanted:  # checked before anything is fetched or loaded
-        known = {"smollm2": set(RULER_TASKS), "organism": set(organism_tasks),
-                 "auto": set(RULER_TASKS) | set(organism_tasks)}[args.model if smollm2 else "organism"]
+        ruler, organism = set(RULER_TASKS), set(organism_tasks)
+        known = organism if not smollm2 else ruler if args.model == "smollm2" else ruler | organism
         unknown = sorted(set(wanted) - known)
         if unknown:
             raise UsageError(f"--tasks: unknown demo tasks {unknown}; choose from {sorted(known)}")
-        if smollm2 and args.model == "auto" and not set(wanted) <= set(RULER_TASKS):
-            print(f"[oda demo] {sorted(set(wanted) - set(RULER_TASKS))} are organism tasks only: running the model "
-                  "organism.\n")
+        if smollm2 and not set(wanted) <= ruler:  # auto: organism-only tasks choose the organism
+            print(f"[oda demo] {sorted(set(wanted) - ruler)} are organism tasks only: running the model organism.\n")
             smollm2 = False
     torch.set_num_threads(args.threads)
     if smollm2 and _run_smollm2(args, wanted):
@@ -188,7 +187,6 @@ def _run_demo_command(args) -> int:
 def _run_smollm2(args, tasks=None) -> bool:
     """Run the SmolLM2 demo if it can run; say why not (and fall back to the organism) where it cannot."""
     from ..known_models import FetchError, resolve_head
-    from ..smollm2_demo import DEMO_LENGTH, DEMO_PROMPTS as SMOLLM2_PROMPTS
 
     head = args.head
     if head is None:
@@ -201,7 +199,7 @@ def _run_smollm2(args, tasks=None) -> bool:
             return False
     elif not os.path.isdir(head):
         raise UsageError(f"--head {head} does not exist.")
-    from ..smollm2_demo import run_smollm2_demo
+    from ..smollm2_demo import DEMO_LENGTH, DEMO_PROMPTS as SMOLLM2_PROMPTS, run_smollm2_demo
 
     prompts = tuple((task, DEMO_LENGTH) for task in tasks) if tasks else SMOLLM2_PROMPTS
     try:
