@@ -546,6 +546,33 @@ def test_resume_skips_finished_records(tmp_path, monkeypatch):
     assert len(calls) == 1 and third == first
 
 
+def test_matched_random_is_redone_when_odas_rate_moves(tmp_path, monkeypatch):
+    """A larger run (more prompts per task) changes ODA's per-task rate: matched Random records follow it."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    policies = [runner.oda(0.0), runner.random_matched(0.0, 42)]
+    path = tmp_path / "results.jsonl"
+    suite = _suite(n_per_task=3)
+    small = runner.evaluate(model, tokenizer, [e for e in suite if e.id.endswith("/0")], policies, path, progress=False)
+    calls = []
+    original = runner.generate_record
+    monkeypatch.setattr(runner, "generate_record", lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
+    larger = runner.evaluate(model, tokenizer, suite, policies, path, progress=False)
+    old_rates = runner.task_rates(r for r in small if r["policy"] == "oda@0")
+    new_rates = runner.task_rates(r for r in larger if r["policy"] == "oda@0")
+    moved = [task for task in new_rates if new_rates[task] != old_rates[task]]
+    assert moved, "the suite must move some task's rate for this test to mean anything"
+    # Every matched record carries its task's current rate and equals a fresh run over the larger suite.
+    assert all(r["p"] == new_rates[r["task"]] for r in larger if r["kind"] == "random")
+    monkeypatch.setattr(runner, "generate_record", original)
+    fresh = runner.evaluate(model, tokenizer, suite, policies, tmp_path / "fresh.jsonl", progress=False)
+    assert larger == fresh
+    # Only the new prompts' ODA records and the matched records were generated (the first prompts' were redone
+    # only on tasks whose rate moved); reading the file back keeps the newest record of each pair.
+    assert calls.count("oda@0") == 4 and calls.count("random~oda@0/seed42") == 4 + len(moved)
+    reread = runner.ResultsFile(path, repair=False).records
+    assert [reread[(r["id"], r["policy"])] for r in larger] == larger
+
+
 def _first_run(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]

@@ -12,24 +12,22 @@ table says how many prompts each cell has.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from oda_hf.evaluation.report import summarize, task_order
+from oda_hf.evaluation.runner import ResultsFile
 
 
 def load(*folders: str) -> dict[int, list[dict]]:
-    """Records per prompt length over `folders`; one record per (prompt, policy), the first folder's first."""
+    """Records per prompt length over `folders`; one record per (prompt, policy), the first folder's."""
     runs: dict[int, dict[tuple, dict]] = {}
     for folder in folders:
         for name in os.listdir(folder):
             path = os.path.join(folder, name, "results.jsonl")
             if name.isdigit() and os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    for line in f:
-                        if line.strip().endswith("}"):
-                            record = json.loads(line)
-                            runs.setdefault(int(name), {}).setdefault((record["id"], record["policy"]), record)
+                # Within a file the last record of a pair wins (a matched Random record redone at a new rate).
+                for key, record in ResultsFile(path, repair=False).records.items():
+                    runs.setdefault(int(name), {}).setdefault(key, record)
     return {length: list(runs[length].values()) for length in sorted(runs)}
 
 

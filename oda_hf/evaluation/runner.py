@@ -296,6 +296,23 @@ def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
     os.replace(temporary, path)
 
 
+def _finished(results: ResultsFile, example: EvalExample, spec: PolicySpec, p: float | None) -> bool:
+    """Whether the record of (example, spec) is on file and still valid.
+
+    A matched Random record is only valid for the rate it was drawn with: ODA's per-task rate
+    moves when the run covers more prompts (a larger ``--limit``), so a record made with another
+    rate is generated again; the new record is appended and supersedes the old one on reading.
+    """
+    record = results.records.get((example.id, spec.name))
+    if record is None:
+        return False
+    if spec.kind == "random" and spec.matched and record.get("p") != p:
+        logger.info(f"({example.id}, {spec.name}) was drawn with p={record.get('p')!r}, ODA's rate is now {p!r} "
+                    "(the run covers other prompts): generating it again.")
+        return False
+    return True
+
+
 def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalExample],
                   policies: Sequence[PolicySpec], tokenizer, chat_template: bool, adopt_unlabeled: bool = False) -> None:
     """Every record this run would reuse must have been made with this run's settings (error naming the keys).
@@ -546,7 +563,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     matched = [s for s in policies if s.kind == "random" and s.matched]
 
     def run(jobs, description):
-        jobs = [(example, spec, p) for example, spec, p in jobs if (example.id, spec.name) not in results]
+        jobs = [(example, spec, p) for example, spec, p in jobs if not _finished(results, example, spec, p)]
         remaining: dict[str, int] = {}  # jobs left per example: the last one may consume the shared prefill
         for example, _, _ in jobs:
             remaining[example.id] = remaining.get(example.id, 0) + 1
