@@ -1,22 +1,34 @@
-"""Long-context decode throughput: native Full vs ODA (paper Appendix B.8 protocol, on CPU).
+"""Long-context decode speed: stock transformers (dynamic, static, compiled static cache) vs ODA, with the
+memory-bandwidth limit of every arm measured in the same run.
 
-Methods, all on the same synthetic history and the same continuation (produced by native Full):
-  native-full   stock transformers forward with its default DynamicCache
-  oda-full      OdaForCausalLM, always-Full (the Local attempt is skipped)
-  streamingllm  OdaForCausalLM, always-Local (the HF path, not a standalone Local engine)
-  oda-12.5/25/50  OdaForCausalLM, Full on the first 2/4/8 of every 16 routed steps, head run every step
+Arms, all on the same history and the same continuation (produced by the first stock arm):
+  native-dynamic   stock forward, default DynamicCache (concatenates the history every step)
+  native-static    stock forward, StaticCache (`cache_implementation="static"`): the baseline ratios are taken to
+  native-compiled  stock forward, StaticCache, `torch.compile` (inductor; on CPU it needs a C++ compiler)
+  oda-full         OdaForCausalLM (HF path), always Full (the Local attempt is skipped)
+  streamingllm     OdaForCausalLM (HF path), always Local (no head)
+  oda-12.5/25/50   OdaForCausalLM (HF path), Full on the first 2/4/8 of every 16 routed steps, head run every step
+  engine-*         the same policies on the static engine (`generate(oda_fast=True)`; eager on CPU)
 
-Protocol differences from the paper, and why:
-* The history is synthetic: random KV for n positions loaded into each method's cache (RoPE
-  positions 0..n-1) instead of a real prefill. Decode speed does not depend on KV or weight values,
-  and a real 32K prefill of a 0.6B model takes far longer than the decode measurement on 2 cores.
-* One warm-up segment and three measured segments of `--steps` routed steps each, run back to back
-  on one cache (the history grows by 4 x steps tokens, < 0.5% at 32K).
-* Each (length, method) runs in its own subprocess, so its peak RSS (`ru_maxrss`, weights included)
-  is its own.
+Columns: ms per decoded token (median over segments and rounds); speed against stock static (and dynamic);
+the *limit*: bytes the arm's steps must read (weights once per backbone pass, the K/V positions each
+attention reads, the head, the output projection; `oda_hf.cost.BatchCostModel`) over the memory bandwidth
+of a large tensor copy measured in the same run with the same thread count; the measured time over that
+limit; the bytes model's speed ratio against stock static (limit_static / limit_arm); the FLOPs model's
+ratio against native Full.
+
+Protocol:
+* The history is synthetic: random K/V for n positions (RoPE positions 0..n-1) loaded into each arm's
+  cache, instead of a real prefill; decode speed does not depend on the values (a real prefill of 7K
+  tokens takes 40 s on one thread, far longer than the measurement).
+* One warm-up segment (it absorbs `torch.compile`) and `--runs` measured segments of `--steps` routed steps,
+  run back to back on one cache.
+* Each (length, arm) runs in its own subprocess (its peak RSS is its own); `--rounds R` repeats every
+  arm R times, alternating the order, so slow drift of the machine's load hits every arm alike.
 
 Usage:
-  python benchmarks/decode_throughput.py                      # Qwen3-0.6B shapes, 4K-32K, fp32
+  python benchmarks/decode_throughput.py --model smollm2 --lengths 4096,7000 --threads 1   # after `oda fetch smollm2`
+  python benchmarks/decode_throughput.py                      # Qwen3-0.6B shapes (random weights), 4K-32K
   python benchmarks/decode_throughput.py --tiny --lengths 256,512   # seconds; what the test suite runs
 """
 
@@ -33,21 +45,31 @@ import time
 
 import torch
 
-METHODS = {
-    "native-full": None,
-    "oda-full": ("full", None),
-    "streamingllm": ("local", None),
-    "oda-12.5": ("schedule", 2),
-    "oda-25": ("schedule", 4),
-    "oda-50": ("schedule", 8),
-}
 PERIOD = 16
+SCHEDULES = {"12.5": 2, "25": 4, "50": 8}
+METHODS = {  # name -> (path, routing): routing is "dynamic"/"static"/"compiled" for stock arms,
+    "native-dynamic": ("native", "dynamic"),  # "full"/"local" or a schedule's k for ODA arms
+    "native-static": ("native", "static"),
+    "native-compiled": ("native", "compiled"),
+    "oda-full": ("hf", "full"),
+    "streamingllm": ("hf", "local"),
+    **{f"oda-{rate}": ("hf", k) for rate, k in SCHEDULES.items()},
+    "engine-full": ("engine", "full"),
+    "engine-local": ("engine", "local"),
+    **{f"engine-{rate}": ("engine", k) for rate, k in SCHEDULES.items()},
+}
+DEFAULT_METHODS = ("native-dynamic,native-static,native-compiled,oda-full,streamingllm,oda-12.5,oda-25,oda-50,"
+                   "engine-full,engine-12.5")
+BASELINE = "native-static"
 
 # Qwen3-0.6B published shapes (speed does not depend on weight values).
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
+MODEL_NAMES = {"qwen3-0.6b": "Qwen3-0.6B shapes (random weights)", "tiny": "tiny shapes",
+               "smollm2": "SmolLM2-135M-Instruct (real weights)"}
 
 
 def build_model(shape: dict, dtype: torch.dtype, seed: int):
@@ -60,86 +82,215 @@ def build_model(shape: dict, dtype: torch.dtype, seed: int):
     return model.eval()
 
 
+def model_name(args) -> str:
+    return "tiny" if args.tiny else args.model
+
+
+def load_model(name: str, dtype: torch.dtype, seed: int):
+    """The benchmark's model: random weights in published shapes, or the fetched SmolLM2."""
+    if name in SHAPES:
+        return build_model(SHAPES[name], dtype, seed)
+    from transformers import AutoModelForCausalLM
+
+    from oda_hf.known_models import resolve_base
+
+    return AutoModelForCausalLM.from_pretrained(resolve_base(name), dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def model_config(name: str):
+    if name in SHAPES:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**SHAPES[name])
+    from transformers import AutoConfig
+
+    from oda_hf.known_models import resolve_base
+
+    return AutoConfig.from_pretrained(resolve_base(name))
+
+
 def synthetic_history(model, length: int, seed: int):
     """Random KV per layer, generated one layer at a time (the caller stores it straight away)."""
     config = model.config
     generator = torch.Generator().manual_seed(seed + 1)
-    shape = (1, config.num_key_value_heads, length, config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (1, config.num_key_value_heads, length, head_dim)
     for _ in range(config.num_hidden_layers):
         keys = torch.randn(shape, generator=generator).to(model.dtype)
         values = torch.randn(shape, generator=generator).to(model.dtype)
         yield keys, values
 
 
-def worker(args) -> dict:
-    """One (length, method): fill the cache, decode warm-up + measured segments, report timings."""
-    from transformers import DynamicCache
+def oda_routing(routing):
+    """(policy, needs a head) for an ODA arm's routing ("full", "local" or a schedule's k)."""
+    from oda_hf import SchedulePolicy
 
-    from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig, SchedulePolicy
-    from oda_hf.compat import cache_kwargs
+    if isinstance(routing, int):
+        return SchedulePolicy(routing, PERIOD, run_head=True), True
+    return routing, False
+
+
+def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_size: int | None = None):
+    """An `OdaStaticEngine` over `history` (consumed one layer at a time), its graphs for every length up to
+    `max_length` captured before timing (none on CPU); returns (engine, keys captured, capture seconds)."""
+    from oda_hf.engine import OdaStaticEngine
+
+    options = {} if bucket_size is None else {"bucket_size": bucket_size}
+    engine = OdaStaticEngine(oda, max_length=max_length + 1, batch_size=1, **options)
+    engine.load_history(history, last_hidden, max_steps=steps)
+    start = time.perf_counter()
+    captured = engine.capture_buckets(max_length)  # no capture inside timed segments
+    return engine, captured, time.perf_counter() - start
+
+
+def stock_step(model, kind: str, length: int, max_length: int, history):
+    """One decode step of the stock model on a filled cache of `kind` (dynamic, static or compiled static)."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=max_length)
+    for layer, (keys, values) in zip(cache.layers, history):
+        layer.update(keys, values)
+    forward = torch.compile(model, dynamic=False) if kind == "compiled" else model
+    position = [length]
+
+    def step(token):  # cache_position as a tensor, as generate() passes it: no recompilation per step
+        cache_position = torch.tensor(position)
+        position[0] += 1
+        return forward(input_ids=token, past_key_values=cache, cache_position=cache_position, use_cache=True).logits
+
+    return step
+
+
+def worker(args) -> dict:
+    """One (length, arm): fill the cache, decode warm-up + measured segments, report timings."""
+    from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = build_model(TINY if args.tiny else QWEN3_0_6B, dtype, args.seed)
+    model = load_model(model_name(args), dtype, args.seed)
     steps_total = (1 + args.runs) * args.steps
+    max_length = args.length + steps_total + 1
     continuation = json.loads(args.continuation) if args.continuation else None
     generator = torch.Generator().manual_seed(args.seed + 2)
     last_hidden = torch.randn(1, model.config.hidden_size, generator=generator).to(dtype)
     first_token = int(torch.randint(model.config.vocab_size, (1,), generator=generator))
+    history = synthetic_history(model, args.length, args.seed)
 
-    method = METHODS[args.method]
-    if method is None:
-        cache = DynamicCache(config=model.config)
-        for layer, (keys, values) in zip(cache.layers, synthetic_history(model, args.length, args.seed)):
-            layer.update(keys, values)
-
-        def step(token):
-            return model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits
+    path, routing = METHODS[args.method]
+    routed = None
+    if path == "native":
+        step = stock_step(model, routing, args.length, max_length, history)
     else:
-        kind, k = method
-        policy = SchedulePolicy(k, PERIOD, run_head=True) if kind == "schedule" else kind
-        head = RecallHead(RecallHeadConfig.for_base(model)) if kind == "schedule" else None
+        policy, needs_head = oda_routing(routing)
+        head = RecallHead(RecallHeadConfig.for_base(model)) if needs_head else None
         oda = OdaForCausalLM(model, head, OdaConfig(sinks=args.sinks, window=args.window, policy=policy))
-        cache = oda.new_cache(max_cache_len=args.length + steps_total + 1)
-        cache.load_history(synthetic_history(model, args.length, args.seed))  # one layer at a time
-        oda.begin_request(cache, last_hidden)
+        if path == "hf":
+            cache = oda.new_cache(max_cache_len=max_length)
+            cache.load_history(history)  # one layer at a time
+            oda.begin_request(cache, last_hidden)
+            routed = oda
 
-        def step(token):
-            return oda(input_ids=token, past_key_values=cache).logits
+            def step(token):
+                return oda(input_ids=token, past_key_values=cache).logits
+        else:
+            engine, _, _ = start_engine(oda, history, last_hidden, max_length - 1, steps_total)
+            routed = engine
+
+            def step(token):
+                return engine.step(token.view(1))[:, None]
 
     tokens, times = [first_token], []
+    profiler = None
     with torch.no_grad():
         for index in range(steps_total):
+            if index == args.steps and args.profile:  # the measured segments only
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                profiler.__enter__()
             token = torch.tensor([[continuation[index] if continuation else tokens[-1]]])
             start = time.perf_counter()
             logits = step(token)
             times.append(time.perf_counter() - start)
             tokens.append(int(logits[0, -1].argmax()))
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        with open(args.profile, "w") as f:
+            f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
     segments = [times[i * args.steps:(i + 1) * args.steps] for i in range(1, 1 + args.runs)]
     result = {
         "method": args.method, "length": args.length,
         "throughput": [args.steps / sum(seg) for seg in segments],
+        "warmup_s": sum(times[:args.steps]),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "continuation": tokens[:steps_total] if method is None else None,
+        "continuation": tokens[:steps_total] if continuation is None else None,
     }
-    if method is not None and method[0] != "full":
-        result["full_call_rate"] = oda.routing.full_call_rate
+    if routed is not None and routing != "full":
+        result["full_call_rate"] = routed.routing.full_call_rate
     return result
 
 
-def predicted_ratio(method: str, length: int, steps: int, sinks: int, window: int, shape: dict) -> float | None:
-    """FLOPs ratio native-Full / method over the measured steps, from the analytical ledger."""
-    from oda_hf.cost import CostLedger, ModelShape, head_param_count, schedule_first_k
+def copy_bandwidth(threads: int, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of the fastest of `repeats` copies of an `nbytes` float32 tensor (each byte read once)."""
+    torch.set_num_threads(threads)
+    source = torch.ones(nbytes // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
-    model_shape = ModelShape.from_config(dict(shape, model_type="qwen3"))
-    ledger = CostLedger(model_shape, head_param_count(shape["hidden_size"]), sinks=sinks, window=window)
-    full = ledger.sequence_flops("full", length, steps)
-    kind = METHODS[method]
-    if kind is None or kind[0] == "full":
+
+def cost_models(name: str, sinks: int, window: int, dtype: torch.dtype, bandwidth: float):
+    """(FLOPs ledger, bytes model on a bandwidth-only roofline) for the benchmark's model."""
+    from oda_hf.cost import BatchCostModel, CostLedger, Hardware, ModelShape, head_param_count
+
+    config = model_config(name)
+    ledger = CostLedger(ModelShape.from_config(config), head_param_count(config.hidden_size), sinks=sinks,
+                        window=window)
+    size = torch.finfo(dtype).bits // 8
+    hardware = Hardware("tensor-copy bandwidth of this machine", float("inf"), bandwidth)
+    return ledger, BatchCostModel(ledger, hardware, weight_bytes=size, kv_bytes=size)
+
+
+def step_decisions(method: str, steps: int) -> list[bool] | None:
+    """Full (True) or Local per measured step; None for stock arms (a plain Full step)."""
+    from oda_hf.cost import schedule_first_k
+
+    path, routing = METHODS[method]
+    if path == "native":
+        return None
+    if isinstance(routing, int):
+        return schedule_first_k(routing, PERIOD, steps)
+    return [routing == "full"] * steps
+
+
+def limit_seconds(method: str, length: int, steps: int, bytes_model) -> float:
+    """Mean seconds per measured step at the bandwidth limit (the history grows by one per step)."""
+    decisions = step_decisions(method, steps)
+    lengths = [length + PERIOD + t for t in range(steps)]  # after the warm-up segment
+    if decisions is None or METHODS[method][1] == "full":
+        costs = [bytes_model.full_step([n]) for n in lengths]
+    elif METHODS[method][1] == "local":
+        costs = [bytes_model.local_step([n]) for n in lengths]
+    else:
+        costs = [bytes_model.oda_step_pattern([n], [d], "whole") for n, d in zip(lengths, decisions)]
+    return sum(c.seconds for c in costs) / steps
+
+
+def predicted_ratio(method: str, length: int, steps: int, ledger) -> float:
+    """FLOPs ratio native-Full / method over the measured steps, from the analytical ledger."""
+    decisions = step_decisions(method, steps)
+    if decisions is None or METHODS[method][1] == "full":
         return 1.0
-    if kind[0] == "local":
+    full = ledger.sequence_flops("full", length, steps)
+    if METHODS[method][1] == "local":
         return full / ledger.sequence_flops("local", length, steps)
-    return full / ledger.sequence_flops("oda", length, schedule_first_k(kind[1], PERIOD, steps))
+    return full / ledger.sequence_flops("oda", length, decisions)
 
 
 def run_worker_subprocess(args, length: int, method: str, continuation, script: str = __file__,
@@ -149,9 +300,7 @@ def run_worker_subprocess(args, length: int, method: str, continuation, script: 
     command = [sys.executable, os.path.abspath(script), "--worker", "--method", method, "--length", str(length),
                "--steps", str(args.steps), "--runs", str(args.runs), "--dtype", args.dtype, "--sinks",
                str(args.sinks), "--window", str(args.window), "--threads", str(args.threads), "--seed",
-               str(args.seed), *extra]
-    if args.tiny:
-        command.append("--tiny")
+               str(args.seed), "--model", model_name(args), *extra]
     if continuation is not None:
         command += ["--continuation", json.dumps(continuation)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -161,13 +310,17 @@ def run_worker_subprocess(args, length: int, method: str, continuation, script: 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| Input tokens | Method | Full (%) | tok/s (median of 3) | Speedup vs native | FLOPs-model ratio "
-             "| Peak RSS (GB) |", "|---:|:---|---:|---:|---:|---:|---:|"]
+    lines = ["| Input tokens | Method | Full (%) | ms/token | vs native-static | vs native-dynamic | limit ms/token "
+             "| / limit | bytes-model ratio vs static | FLOPs-model ratio vs Full | Peak RSS (GB) |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = row.get("full_call_rate")
-        full_pct = "100.0" if row["method"] in ("native-full", "oda-full") else f"{100 * rate:.1f}"
-        lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['median']:.3f} | "
-                     f"{row['speedup']:.2f}x | {row['predicted']:.2f}x | {row['peak_rss_gb']:.2f} |")
+        full_pct = "0.0" if METHODS[row["method"]][1] == "local" else "100.0" if rate is None else f"{100 * rate:.1f}"
+        ratio = lambda key: "-" if row.get(key) is None else f"{row[key]:.2f}x"  # noqa: E731
+        lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['ms_per_token']:.2f} | "
+                     f"{ratio('vs_static')} | {ratio('vs_dynamic')} | {row['limit_ms']:.2f} | "
+                     f"{row['ms_per_token'] / row['limit_ms']:.2f} | {ratio('bytes_ratio')} | {row['predicted']:.2f}x | "
+                     f"{row['peak_rss_gb']:.2f} |")
     return "\n".join(lines)
 
 
@@ -177,26 +330,32 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for method in METHODS:
-        sub = [r for r in rows if r["method"] == method]
-        if sub:
-            ax1.plot([r["length"] for r in sub], [r["median"] for r in sub], marker="o", label=method)
-            ax2.plot([r["length"] for r in sub], [r["speedup"] for r in sub], marker="o", label=method)
-    for ax, label in ((ax1, "decode tokens/s"), (ax2, "speedup vs native Full")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("input tokens")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    ax1.legend(fontsize=8)
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(methods) * len(lengths) ** 0.5, 4))
+    width = 0.8 / len(lengths)
+    for i, length in enumerate(lengths):
+        by_method = {r["method"]: r for r in rows if r["length"] == length}
+        xs = [j + i * width for j, m in enumerate(methods) if m in by_method]
+        bars = ax.bar(xs, [by_method[m]["ms_per_token"] for m in methods if m in by_method], width,
+                      label=f"{length:,} tokens")
+        ax.scatter(xs, [by_method[m]["limit_ms"] for m in methods if m in by_method], marker="_", s=200,
+                   color="black", zorder=3, label="bandwidth limit" if i == 0 else None)
+        del bars
+    ax.set_xticks([j + width * (len(lengths) - 1) / 2 for j in range(len(methods))], methods, rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("ms per decoded token")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def add_shared_arguments(parser: argparse.ArgumentParser, output_help: str) -> None:
-    """Options both decode benchmarks take (lengths, schedule segments, routing, shapes, output, and the
+    """Options both decode benchmarks take (model, lengths, schedule segments, routing, output, and the
     hidden options of one worker process)."""
+    parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_NAMES),
+                        help="qwen3-0.6b: published shapes, random weights; smollm2: the fetched model (oda fetch smollm2)")
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--steps", type=int, default=16, help="routed steps per segment (one schedule period)")
     parser.add_argument("--runs", type=int, default=3, help="measured segments after one warm-up segment")
@@ -204,59 +363,91 @@ def add_shared_arguments(parser: argparse.ArgumentParser, output_help: str) -> N
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests), not Qwen3-0.6B")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests): --model tiny")
     parser.add_argument("--output", default="benchmarks/results", help=output_help)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--continuation", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help=argparse.SUPPRESS)  # worker: write a torch.profiler table here
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list from {list(METHODS)}")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every arm, alternating the order")
+    parser.add_argument("--copy-mb", type=int, default=1024, help="size of the bandwidth-measuring copy")
     add_shared_arguments(parser, output_help="folder for the table, JSON and PNG")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.model = "tiny"
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
 
     methods = args.methods.split(",")
-    if methods[0] != "native-full":
-        raise SystemExit("--methods must start with native-full: it produces the continuation and the baseline.")
-    shape = TINY if args.tiny else QWEN3_0_6B
-    rows = []
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or METHODS[methods[0]][0] != "native":
+        raise SystemExit(f"--methods must start with a stock arm (it produces the continuation) and come from "
+                         f"{list(METHODS)}; unknown: {unknown}")
     from tqdm import tqdm
 
-    jobs = [(int(n), m) for n in args.lengths.split(",") for m in methods]
-    continuation = None
-    baseline = {}
-    for length, method in tqdm(jobs, desc="decode benchmark", unit="run"):
-        result = run_worker_subprocess(args, length, method, None if method == "native-full" else continuation)
-        if method == "native-full":
-            continuation = result["continuation"]
-            baseline[length] = statistics.median(result["throughput"])
-        result.pop("continuation", None)
-        result["median"] = statistics.median(result["throughput"])
-        result["speedup"] = result["median"] / baseline[length]
-        result["predicted"] = predicted_ratio(method, length, args.steps * args.runs, args.sinks, args.window, shape)
-        rows.append(result)
-        tqdm.write(f"{length:>7} {method:<13} {result['median']:.3f} tok/s  {result['speedup']:.2f}x "
-                   f"(FLOPs model {result['predicted']:.2f}x)  peak RSS {result['peak_rss_gb']:.2f} GB")
+    name = model_name(args)
+    bandwidth = [copy_bandwidth(args.threads, args.copy_mb << 20)]
+    ledger, bytes_model = cost_models(name, args.sinks, args.window, getattr(torch, args.dtype), bandwidth[0])
+    lengths = [int(n) for n in args.lengths.split(",")]
+    jobs = [(length, method, r) for r in range(args.rounds) for length in lengths
+            for method in (methods if r % 2 == 0 else [methods[0]] + methods[:0:-1])]
+    measured: dict[tuple[int, str], list[dict]] = {}
+    continuation: dict[int, list[int]] = {}
+    for length, method, _ in tqdm(jobs, desc="decode benchmark", unit="run"):
+        result = run_worker_subprocess(args, length, method, continuation.get(length))
+        if result.get("continuation") is not None:
+            continuation[length] = result["continuation"]
+        result.pop("continuation")
+        measured.setdefault((length, method), []).append(result)
+        tqdm.write(f"{length:>7} {method:<16} {1000 / statistics.median(result['throughput']):.1f} ms/token")
+    bandwidth.append(copy_bandwidth(args.threads, args.copy_mb << 20))  # did the machine's state change?
+    # The limit uses the faster copy: the tighter bound.
+    ledger, bytes_model = cost_models(name, args.sinks, args.window, getattr(torch, args.dtype), max(bandwidth))
+
+    rows = []
+    measured_steps = args.steps * args.runs
+    for length in lengths:
+        for method in methods:
+            results = measured[(length, method)]
+            throughput = [t for r in results for t in r["throughput"]]
+            row = {"method": method, "length": length, "throughput": throughput,
+                   "ms_per_token": 1000 / statistics.median(throughput),
+                   "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
+                   "warmup_s": [r["warmup_s"] for r in results],
+                   "limit_ms": 1000 * limit_seconds(method, length, measured_steps, bytes_model),
+                   "predicted": predicted_ratio(method, length, measured_steps, ledger)}
+            if "full_call_rate" in results[0]:
+                row["full_call_rate"] = results[0]["full_call_rate"]
+            rows.append(row)
+        by_method = {r["method"]: r for r in rows if r["length"] == length}
+        for row in by_method.values():
+            for key, reference in (("vs_static", "native-static"), ("vs_dynamic", "native-dynamic")):
+                if reference in by_method:
+                    row[key] = by_method[reference]["ms_per_token"] / row["ms_per_token"]
+            if BASELINE in by_method:
+                row["bytes_ratio"] = by_method[BASELINE]["limit_ms"] / row["limit_ms"]
 
     os.makedirs(args.output, exist_ok=True)
-    header = (f"CPU decode benchmark: {'tiny' if args.tiny else 'Qwen3-0.6B'} shapes, {args.dtype}, "
-              f"{args.threads} threads on {os.cpu_count()} cores, s={args.sinks}, w={args.window}, "
-              f"{args.runs} x {args.steps} measured routed steps after {args.steps} warm-up steps.")
+    header = (f"CPU decode benchmark: {MODEL_NAMES[name]}, {args.dtype}, {args.threads} threads on {os.cpu_count()} "
+              f"cores, s={args.sinks}, w={args.window}, {args.rounds} round(s) x {args.runs} x {args.steps} measured "
+              f"routed steps after {args.steps} warm-up steps. Copy bandwidth {bandwidth[0] / 1e9:.1f} GB/s before, "
+              f"{bandwidth[1] / 1e9:.1f} GB/s after (the limit uses the faster).")
     table = format_table(rows)
     print(header + "\n\n" + table)
-    name = "decode_tiny" if args.tiny else "decode_qwen3_0.6b"
-    with open(os.path.join(args.output, name + ".md"), "w") as f:
+    stem = os.path.join(args.output, f"decode_{name.replace('-', '_')}")
+    with open(stem + ".md", "w") as f:
         f.write(header + "\n\n" + table + "\n")
-    with open(os.path.join(args.output, name + ".json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    plot(rows, os.path.join(args.output, name + ".png"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"bandwidth_bytes_per_s": bandwidth, "args": vars(args), "rows": rows}, f, indent=1)
+    plot(rows, stem + ".png")
     return 0
 
 

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_throughput  # noqa: E402
 from decode_throughput import (  # noqa: E402
-    PERIOD, QWEN3_0_6B, TINY, add_shared_arguments, build_model, synthetic_history)
+    MODEL_NAMES, PERIOD, add_shared_arguments, load_model, model_name, start_engine, synthetic_history)
 
 SCHEDULES = {"12.5": 2, "25": 4, "50": 8}
 METHODS = ["native-full", *(f"hf-oda-{r}" for r in SCHEDULES), "engine-full", "engine-local",
@@ -70,12 +70,11 @@ def worker(args) -> dict:
 
     from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
     from oda_hf.compat import cache_kwargs
-    from oda_hf.engine import OdaStaticEngine
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = build_model(TINY if args.tiny else QWEN3_0_6B, dtype, args.seed).to(device)
+    model = load_model(model_name(args), dtype, args.seed).to(device)
     steps_total = (1 + args.runs) * args.steps
     generator = torch.Generator().manual_seed(args.seed + 2)
     last_hidden = torch.randn(1, model.config.hidden_size, generator=generator).to(device, dtype)
@@ -106,12 +105,8 @@ def worker(args) -> dict:
             def step(token):
                 return oda(input_ids=token.view(1, 1), past_key_values=cache).logits[:, -1]
         else:
-            engine = OdaStaticEngine(oda, max_length=args.length + steps_total + 1, batch_size=1,
-                                     bucket_size=args.bucket_size)
-            engine.load_history(history, last_hidden, max_steps=steps_total)
-            start = time.perf_counter()
-            captured = engine.capture_buckets(args.length + steps_total)  # no capture inside timed segments
-            capture_seconds = time.perf_counter() - start
+            engine, captured, capture_seconds = start_engine(oda, history, last_hidden, args.length + steps_total,
+                                                             steps_total, args.bucket_size)
             step = engine.step
 
     # Tokens to feed: native-full reads its argmax (it defines the continuation); the others replay
@@ -206,12 +201,12 @@ def main(argv=None) -> int:
     os.makedirs(args.output, exist_ok=True)
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU, {args.threads} threads on {os.cpu_count()} cores")
-    header = (f"Static-engine decode benchmark: {'tiny' if args.tiny else 'Qwen3-0.6B'} shapes, {args.dtype}, {where}, "
+    header = (f"Static-engine decode benchmark: {MODEL_NAMES[model_name(args)]}, {args.dtype}, {where}, "
               f"s={args.sinks}, w={args.window}, bucket {args.bucket_size}, {args.runs} x {args.steps} measured routed "
               f"steps after {args.steps} warm-up steps.")
     table = format_table(rows, args.device)
     print(header + "\n\n" + table)
-    name = f"engine_{'tiny' if args.tiny else 'qwen3_0.6b'}_{args.device}"
+    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}"
     with open(os.path.join(args.output, name + ".md"), "w") as f:
         f.write(header + "\n\n" + table + "\n")
     with open(os.path.join(args.output, name + ".json"), "w") as f:

@@ -677,6 +677,11 @@ class BatchCostModel:
         lengths = _check_lengths(lengths)
         return self._pass(lengths, local=False) + self._output(len(lengths))
 
+    def local_step(self, lengths: Sequence[int]) -> BatchStepCost:
+        """StreamingLLM (always Local): one Local pass over every row, then the output projection; no head."""
+        lengths = _check_lengths(lengths)
+        return self._pass(lengths, local=True) + self._output(len(lengths))
+
     def oda_step_pattern(self, lengths: Sequence[int], decisions: Sequence[bool], mode: str) -> BatchStepCost:
         """ODA with a given decision per row (True = Full): Local pass + head for every row, the
         Full pass as `mode` runs it, one output projection."""

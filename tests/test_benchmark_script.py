@@ -10,17 +10,27 @@ SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "decod
 
 def test_decode_benchmark_tiny_end_to_end(tmp_path):
     done = subprocess.run(
-        [sys.executable, SCRIPT, "--tiny", "--lengths", "160", "--methods", "native-full,oda-12.5", "--window", "32",
-         "--steps", "4", "--runs", "2", "--threads", "1", "--output", str(tmp_path)],
+        [sys.executable, SCRIPT, "--tiny", "--lengths", "160", "--methods",
+         "native-dynamic,native-static,streamingllm,oda-12.5,engine-12.5", "--window", "32", "--steps", "4", "--runs",
+         "2", "--threads", "1", "--copy-mb", "16", "--rounds", "2", "--output", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "decode_tiny.json").read_text())
-    assert [r["method"] for r in rows] == ["native-full", "oda-12.5"]
-    oda = rows[1]
-    assert len(oda["throughput"]) == 2 and all(t > 0 for t in oda["throughput"])
-    assert oda["full_call_rate"] == 2 / 12  # Full on steps 1-2 of 16; 4 warm-up + 2 x 4 measured = 12 steps
-    assert 0 < oda["predicted"] < 16 / 2  # the ledger itself is checked in test_cost.py
-    assert (tmp_path / "decode_tiny.png").stat().st_size > 0 and "| 160 | oda-12.5 |" in (tmp_path / "decode_tiny.md").read_text()
+    result = json.loads((tmp_path / "decode_tiny.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["native-dynamic", "native-static", "streamingllm", "oda-12.5", "engine-12.5"]
+    assert len(result["bandwidth_bytes_per_s"]) == 2 and min(result["bandwidth_bytes_per_s"]) > 0
+    oda = rows["oda-12.5"]
+    assert len(oda["throughput"]) == 4 and all(t > 0 for t in oda["throughput"])  # 2 rounds x 2 segments
+    assert oda["full_call_rate"] == rows["engine-12.5"]["full_call_rate"] == 2 / 12  # steps 1-2 of 16; 12 steps
+    assert 0 < oda["predicted"] < 16 / 2  # the ledgers themselves are checked in test_cost*.py
+    static = rows["native-static"]
+    assert static["vs_static"] == 1.0 and static["bytes_ratio"] == 1.0
+    # Always-Local reads the weights but only s + w positions: a lower limit than Full, above zero.
+    assert 0 < rows["streamingllm"]["limit_ms"] < static["limit_ms"] == rows["native-dynamic"]["limit_ms"]
+    assert rows["streamingllm"]["bytes_ratio"] > 1 > oda["bytes_ratio"]  # ODA's Full steps re-read the weights
+    table = (tmp_path / "decode_tiny.md").read_text()
+    assert "| 160 | oda-12.5 |" in table and "limit ms/token" in table
+    assert (tmp_path / "decode_tiny.png").stat().st_size > 0
 
 
 def test_retry_and_window_benchmark_tiny_end_to_end(tmp_path):

@@ -95,6 +95,10 @@ def test_pattern_bytes_count_weights_once_per_pass_and_kv_per_row():
     assert model.oda_step_pattern(lengths, one, "whole").bytes == (2 * weights + local_kv + 60 * kv_per_position
                                                                    + head + output)
     assert model.oda_step_pattern(lengths, one, "masked").bytes == model.oda_step_pattern(lengths, one, "rows").bytes
+    # StreamingLLM: the weights once, every row's Local history, the output projection, no head.
+    assert model.local_step(lengths).bytes == weights + local_kv + output
+    assert model.local_step(lengths).flops == sum(s.backbone + s.attention_local + s.output
+                                                  for s in (ledger.step_costs(n) for n in lengths))
 
 
 # --- reductions and orderings ------------------------------------------------------------------------
