@@ -12,6 +12,7 @@ generated token is reported (prefill included, identical across methods of a row
 
 Usage:
   python benchmarks/retry_and_window.py --device cuda --dtype bfloat16     # Qwen3-0.6B shapes
+  python benchmarks/retry_and_window.py --model smollm2 --window 256 --long-prompt 1024   # after `oda fetch smollm2`
   python benchmarks/retry_and_window.py --tiny --runs 1 --new-tokens 4     # seconds; what the test suite runs
 """
 
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from decode_throughput import QWEN3_0_6B, TINY, build_model
+from decode_throughput import MODEL_NAMES, load_model
 
 from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig
 
@@ -47,7 +48,7 @@ def _median_ms_per_token(device, fn, runs: int, new_tokens: int) -> float:
 
 def measure(args) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    base = build_model(TINY if args.tiny else QWEN3_0_6B, dtype, args.seed).to(device)
+    base = load_model(args.model, dtype, args.seed).to(device)
     vocab = base.config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
@@ -110,7 +111,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests), not Qwen3-0.6B")
+    parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_NAMES),
+                        help="qwen3-0.6b: published shapes, random weights; smollm2: the fetched model")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (for tests): --model tiny")
     parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8])
     parser.add_argument("--rate", type=float, default=0.25)
     parser.add_argument("--long-prompt", type=int, default=4096, help="prompt tokens for the batch-retry rows")
@@ -122,12 +125,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.model = "tiny"
     results = measure(args)
     os.makedirs(args.output, exist_ok=True)
-    stem = os.path.join(args.output, "retry_and_window" + ("_tiny" if args.tiny else ""))
+    suffix = {"qwen3-0.6b": "", "tiny": "_tiny"}.get(args.model, "_" + args.model)
+    stem = os.path.join(args.output, "retry_and_window" + suffix)
     with open(stem + ".json", "w") as f:
         json.dump({"settings": vars(args), **results}, f, indent=2)
-    table = markdown(results)
+    table = (f"{MODEL_NAMES[args.model]}, {args.dtype} on {args.device}, {torch.get_num_threads()} thread(s), "
+             f"s={args.sinks}, w={args.window}, {args.new_tokens} new tokens, median of {args.runs} runs.\n\n"
+             + markdown(results))
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
