@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig
 from oda_hf.evaluation import diagnostics, metrics, report, runner, stats, suites, trajectory
 from oda_hf.evaluation.cli import add_cli
+from oda_hf.cli_common import UsageError
 from oda_hf.head import base_fingerprint
 from reference import replay_logits
 from tiny_models import VOCAB, tiny_model
@@ -573,6 +574,33 @@ def test_matched_random_is_redone_when_odas_rate_moves(tmp_path, monkeypatch):
     assert [reread[(r["id"], r["policy"])] for r in larger] == larger
 
 
+def test_runs_split_by_task_merge_into_one(tmp_path):
+    model, tokenizer = oda_model(), word_tokenizer()
+    policies = [runner.full(), runner.oda(0.0)]
+    suite = _suite(n_per_task=2)
+    whole = runner.evaluate(model, tokenizer, suite, policies, tmp_path / "whole" / "results.jsonl", progress=False)
+    for part, task in (("a", "niah_single_1"), ("b", "qa_1")):
+        runner.evaluate(model, tokenizer, [e for e in suite if e.task == task], policies,
+                        tmp_path / part / "results.jsonl", progress=False)
+    merged = tmp_path / "a" / "results.jsonl"
+    assert runner.merge_results(merged, [tmp_path / "b" / "results.jsonl"]) == 4
+    assert runner.merge_results(merged, [tmp_path / "b" / "results.jsonl"]) == 0  # nothing new the second time
+    records = runner.ResultsFile(merged).records
+    assert sorted(records) == sorted((r["id"], r["policy"]) for r in whole)
+    assert all(records[(r["id"], r["policy"])] == r for r in whole)
+    # A rerun over the whole suite into the merged folder generates nothing.
+    again = runner.evaluate(model, tokenizer, suite, policies, merged, progress=False)
+    assert again == whole
+    # Records of other settings never mix in, and a source without a manifest is refused.
+    model.set_routing(sinks=3, window=5)
+    runner.evaluate(model, tokenizer, suite[:1], policies, tmp_path / "other" / "results.jsonl", progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        runner.merge_results(merged, [tmp_path / "other" / "results.jsonl"])
+    (tmp_path / "other" / "results.manifest.json").unlink()
+    with pytest.raises(ValueError, match="no manifest"):
+        runner.merge_results(merged, [tmp_path / "other" / "results.jsonl"])
+
+
 def _first_run(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
@@ -761,6 +789,19 @@ def test_cli_eval_and_diagnose(tmp_path):
         assert (out / name).exists()
     args = parser.parse_args(["eval", "--out", str(out), "--report-only", "--no-plots"])
     assert args.func(args) == 0
+    # One evaluation split by task over two output folders, merged back into one.
+    for part, task in (("a", "niah_single_1"), ("b", "qa_1")):
+        args = parser.parse_args(["eval", *common, "--data", str(suite), "--policies", "full", "--tasks", task,
+                                  "--out", str(tmp_path / part), "--no-progress", "--no-plots"])
+        assert args.func(args) == 0
+    args = parser.parse_args(["eval", "--out", str(tmp_path / "a"), "--merge", str(tmp_path / "b"), "--no-plots"])
+    assert args.func(args) == 0
+    merged = [json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in merged) == sorted(r["id"] for r in records if r["policy"] == "full")
+    assert "qa_1" in (tmp_path / "a" / "report.md").read_text()
+    args = parser.parse_args(["eval", "--out", str(tmp_path / "a"), "--merge", str(tmp_path / "missing")])
+    with pytest.raises(UsageError, match="--merge .*missing"):
+        args.func(args)
     refs = tmp_path / "refs.jsonl"
     _write_jsonl(refs, [{"id": f"r{i}", "input_ids": torch.randint(3, VOCAB, (14,)).tolist()} for i in range(2)])
     diag = tmp_path / "diag"

@@ -61,6 +61,10 @@ def add_cli(subparsers) -> None:
     evaluate.add_argument("--out", required=True, help="output directory")
     evaluate.add_argument("--report-only", action="store_true",
                           help="no generation: rebuild report.md and plots from --out/results.jsonl")
+    evaluate.add_argument("--merge", nargs="+", default=None, metavar="FOLDER",
+                          help="no generation: add the records of other output folders of the same evaluation "
+                               "(e.g. one per --tasks subset, run in parallel) to --out, then rebuild the report; "
+                               "their manifests must have --out's settings")
     evaluate.add_argument("--no-plots", action="store_true")
     evaluate.add_argument("--no-progress", action="store_true")
     evaluate.set_defaults(func=run_eval)
@@ -167,6 +171,13 @@ def run_eval(args) -> int:
     out = args.out
     os.makedirs(out, exist_ok=True)
     results_path = os.path.join(out, RESULTS_FILE)
+    if args.merge:
+        sources = [os.path.join(folder, RESULTS_FILE) for folder in args.merge]
+        require_paths("--merge", sources)
+        with user_input("--merge"):
+            added = runner.merge_results(results_path, sources, manifest_name=MANIFEST_FILE)
+        print(f"[oda eval] merged {added} records into {results_path}", file=sys.stderr)
+        args.report_only = True
     if args.report_only:
         if not os.path.exists(results_path):
             raise UsageError(f"--report-only: {results_path} does not exist; run without --report-only first.")

@@ -296,6 +296,44 @@ def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
     os.replace(temporary, path)
 
 
+def _manifest_of(results_path: str, manifest_name: str | None) -> str:
+    if manifest_name is None:
+        return os.path.splitext(results_path)[0] + ".manifest.json"  # as `evaluate` names it by default
+    return os.path.join(os.path.dirname(results_path), manifest_name)
+
+
+def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.PathLike],
+                  manifest_name: str | None = None) -> int:
+    """Append to `output_path` the records of other runs' results files that it does not hold yet.
+
+    For one evaluation split over processes or machines (e.g. by ``--tasks``) into several output
+    folders. Every source's manifest must have the destination's settings (same model weights, head,
+    dtype, geometry, chat template), so records of different settings never mix; within a source the
+    newest record of a pair is taken, and a pair the destination already holds is kept as it is.
+    `manifest_name`: the manifests' file name beside each results file (``oda eval`` writes
+    ``manifest.json``); by default ``<results stem>.manifest.json``. Returns the number of records added.
+    """
+    output_path = os.fspath(output_path)
+    manifest_path = _manifest_of(output_path, manifest_name)
+    if not os.path.exists(manifest_path):
+        raise ValueError(f"{output_path} has no manifest ({manifest_path}): merge into the folder of a finished run.")
+    with open(manifest_path, encoding="utf-8") as f:
+        settings = json.load(f)["settings"]
+    results, added = ResultsFile(output_path), 0
+    for source in map(os.fspath, sources):
+        if os.path.abspath(source) == os.path.abspath(output_path):
+            continue
+        source_manifest = _manifest_of(source, manifest_name)
+        if not os.path.exists(source_manifest):
+            raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
+        check_manifest(source_manifest, settings, source)
+        for key, record in ResultsFile(source, repair=False).records.items():
+            if key not in results:
+                results.add(record)
+                added += 1
+    return added
+
+
 def _finished(results: ResultsFile, example: EvalExample, spec: PolicySpec, p: float | None) -> bool:
     """Whether the record of (example, spec) is on file and still valid.
 
