@@ -337,11 +337,10 @@ def plot(rows: list[dict], path: str) -> None:
     for i, length in enumerate(lengths):
         by_method = {r["method"]: r for r in rows if r["length"] == length}
         xs = [j + i * width for j, m in enumerate(methods) if m in by_method]
-        bars = ax.bar(xs, [by_method[m]["ms_per_token"] for m in methods if m in by_method], width,
-                      label=f"{length:,} tokens")
+        ax.bar(xs, [by_method[m]["ms_per_token"] for m in methods if m in by_method], width,
+               label=f"{length:,} tokens")
         ax.scatter(xs, [by_method[m]["limit_ms"] for m in methods if m in by_method], marker="_", s=200,
                    color="black", zorder=3, label="bandwidth limit" if i == 0 else None)
-        del bars
     ax.set_xticks([j + width * (len(lengths) - 1) / 2 for j in range(len(methods))], methods, rotation=30,
                   ha="right", fontsize=8)
     ax.set_ylabel("ms per decoded token")
