@@ -601,6 +601,29 @@ def test_runs_split_by_task_merge_into_one(tmp_path):
         runner.merge_results(merged, [tmp_path / "other" / "results.jsonl"])
 
 
+def test_merge_keeps_the_matched_random_records_drawn_at_the_current_rate(tmp_path):
+    """The split workflow: folder b starts as a copy of a, each redraws the matched control of its own tasks
+    over more prompts; the merge must keep, per pair, the record at ODA's rate over the merged records."""
+    import shutil
+
+    model, tokenizer = oda_model(), word_tokenizer()
+    policies = [runner.oda(0.0), runner.random_matched(0.0, 42)]
+    suite = _suite(n_per_task=3)
+    a, b = tmp_path / "a" / "results.jsonl", tmp_path / "b" / "results.jsonl"
+    runner.evaluate(model, tokenizer, [e for e in suite if e.id.endswith("/0")], policies, a, progress=False)
+    b.parent.mkdir()
+    for name in ("results.jsonl", "results.manifest.json"):
+        shutil.copy(tmp_path / "a" / name, tmp_path / "b" / name)
+    for path, task in ((a, "qa_1"), (b, "niah_single_1")):
+        runner.evaluate(model, tokenizer, [e for e in suite if e.task == task], policies, path, progress=False)
+    fresh = runner.evaluate(model, tokenizer, suite, policies, tmp_path / "fresh.jsonl", progress=False)
+    old = runner.ResultsFile(a).records[("niah_single_1/0", "random~oda@0/seed42")]
+    assert old["p"] != next(r["p"] for r in fresh if r["id"] == "niah_single_1/0" and r["kind"] == "random")  # stale
+    runner.merge_results(a, [b])
+    merged = runner.ResultsFile(a).records
+    assert [merged[(r["id"], r["policy"])] for r in fresh] == fresh
+
+
 def _first_run(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]

@@ -309,7 +309,9 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
     For one evaluation split over processes or machines (e.g. by ``--tasks``) into several output
     folders. Every source's manifest must have the destination's settings (same model weights, head,
     dtype, geometry, chat template), so records of different settings never mix; within a source the
-    newest record of a pair is taken, and a pair the destination already holds is kept as it is.
+    newest record of a pair is taken, and a pair the destination already holds is kept as it is, except
+    a matched Random record drawn at a rate that is no longer ODA's (see `_finished`): the source's
+    record at the current rate supersedes it.
     `manifest_name`: the manifests' file name beside each results file (``oda eval`` writes
     ``manifest.json``); by default ``<results stem>.manifest.json``. Returns the number of records added.
     """
@@ -320,6 +322,7 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
     with open(manifest_path, encoding="utf-8") as f:
         settings = json.load(f)["settings"]
     results, added = ResultsFile(output_path), 0
+    contested: dict[tuple[str, str], list[dict]] = {}  # matched Random pairs drawn at different rates
     for source in map(os.fspath, sources):
         if os.path.abspath(source) == os.path.abspath(output_path):
             continue
@@ -328,10 +331,33 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
             raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
         check_manifest(source_manifest, settings, source)
         for key, record in ResultsFile(source, repair=False).records.items():
-            if key not in results:
+            held = results.records.get(key)
+            if held is None:
                 results.add(record)
                 added += 1
+            elif _is_matched_random(record) and record.get("p") != held.get("p"):
+                contested.setdefault(key, []).append(record)
+    # Of a matched Random pair drawn at several rates, the valid record is the one at ODA's per-task rate over
+    # the merged records (how `evaluate` draws it); without one, the held record stays (a rerun redraws it).
+    rates: dict[float, dict[str, float]] = {}
+    for key, candidates in contested.items():
+        held = results.records[key]
+        threshold = held["threshold"]
+        if threshold not in rates:
+            name = oda(threshold).name
+            rates[threshold] = task_rates(r for r in results.records.values() if r["policy"] == name)
+        rate = rates[threshold].get(held["task"], float("nan"))
+        rate = 0.0 if not math.isfinite(rate) else rate
+        if held.get("p") != rate:
+            valid = next((r for r in candidates if r.get("p") == rate), None)
+            if valid is not None:
+                results.add(valid)
+                added += 1
     return added
+
+
+def _is_matched_random(record: dict) -> bool:
+    return record.get("kind") == "random" and record.get("threshold") is not None
 
 
 def _finished(results: ResultsFile, example: EvalExample, spec: PolicySpec, p: float | None) -> bool:
