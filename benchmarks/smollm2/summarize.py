@@ -6,7 +6,7 @@ reads `<folder>/<length>/results.jsonl` for every length folder present in each 
 folders for the same length are merged, e.g. baselines run without a head and ODA runs with one) and writes `<out>.md` (per task and length:
 each policy group's score in percent, Random as mean over seeds, with the number of prompts; macro row; pooled
 Full-call rates) and `<out>.png` (macro score against length). Partial runs are summarised as they stand; the
-table says how many prompts each cell has.
+table says how many prompts each cell has. Matched Random records drawn at an outdated rate are left out.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import os
 
 from oda_hf.evaluation.report import summarize, task_order
-from oda_hf.evaluation.runner import ResultsFile
+from oda_hf.evaluation.runner import ResultsFile, oda, task_rates
 
 
 def load(*folders: str) -> dict[int, list[dict]]:
@@ -28,7 +28,17 @@ def load(*folders: str) -> dict[int, list[dict]]:
                 # Within a file the last record of a pair wins (a matched Random record redone at a new rate).
                 for key, record in ResultsFile(path, repair=False).records.items():
                     runs.setdefault(int(name), {}).setdefault(key, record)
-    return {length: list(runs[length].values()) for length in sorted(runs)}
+    return {length: current(list(runs[length].values())) for length in sorted(runs)}
+
+
+def current(records: list[dict]) -> list[dict]:
+    """Drop matched Random records drawn at a rate that is not ODA's per-task rate over these records (left by a
+    run over fewer prompts, not yet redrawn): they would be summarised as the control of another ODA run."""
+    rates = {}
+    for threshold in {r["threshold"] for r in records if r["kind"] == "random" and r["threshold"] is not None}:
+        rates[threshold] = task_rates(r for r in records if r["policy"] == oda(threshold).name)
+    return [r for r in records if r["kind"] != "random" or r["threshold"] is None
+            or r["p"] == rates[r["threshold"]].get(r["task"])]
 
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
