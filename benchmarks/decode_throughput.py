@@ -35,6 +35,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -154,11 +155,10 @@ def stock_step(model, kind: str, length: int, max_length: int, history):
     for layer, (keys, values) in zip(cache.layers, history):
         layer.update(keys, values)
     forward = torch.compile(model, dynamic=False) if kind == "compiled" else model
-    position = [length]
+    positions = itertools.count(length)
 
     def step(token):  # cache_position as a tensor, as generate() passes it: no recompilation per step
-        cache_position = torch.tensor(position)
-        position[0] += 1
+        cache_position = torch.tensor([next(positions)])
         return forward(input_ids=token, past_key_values=cache, cache_position=cache_position, use_cache=True).logits
 
     return step
@@ -394,7 +394,6 @@ def main(argv=None) -> int:
 
     name = model_name(args)
     bandwidth = [copy_bandwidth(args.threads, args.copy_mb << 20)]
-    ledger, bytes_model = cost_models(name, args.sinks, args.window, getattr(torch, args.dtype), bandwidth[0])
     lengths = [int(n) for n in args.lengths.split(",")]
     jobs = [(length, method, r) for r in range(args.rounds) for length in lengths
             for method in (methods if r % 2 == 0 else [methods[0]] + methods[:0:-1])]

@@ -15,7 +15,7 @@ import argparse
 import os
 
 from oda_hf.evaluation.report import summarize, task_order
-from oda_hf.evaluation.runner import ResultsFile, oda, task_rates
+from oda_hf.evaluation.runner import ResultsFile, current_matched_rates, is_matched_random
 
 
 def load(*folders: str) -> dict[int, list[dict]]:
@@ -34,11 +34,8 @@ def load(*folders: str) -> dict[int, list[dict]]:
 def current(records: list[dict]) -> list[dict]:
     """Drop matched Random records drawn at a rate that is not ODA's per-task rate over these records (left by a
     run over fewer prompts, not yet redrawn): they would be summarised as the control of another ODA run."""
-    rates = {}
-    for threshold in {r["threshold"] for r in records if r["kind"] == "random" and r["threshold"] is not None}:
-        rates[threshold] = task_rates(r for r in records if r["policy"] == oda(threshold).name)
-    return [r for r in records if r["kind"] != "random" or r["threshold"] is None
-            or r["p"] == rates[r["threshold"]].get(r["task"])]
+    rates = current_matched_rates(records)
+    return [r for r in records if not is_matched_random(r) or r["p"] == rates[r["threshold"]].get(r["task"], 0.0)]
 
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:

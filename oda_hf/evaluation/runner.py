@@ -335,29 +335,20 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
             if held is None:
                 results.add(record)
                 added += 1
-            elif _is_matched_random(record) and record.get("p") != held.get("p"):
+            elif is_matched_random(record) and record.get("p") != held.get("p"):
                 contested.setdefault(key, []).append(record)
     # Of a matched Random pair drawn at several rates, the valid record is the one at ODA's per-task rate over
     # the merged records (how `evaluate` draws it); without one, the held record stays (a rerun redraws it).
-    rates: dict[float, dict[str, float]] = {}
+    rates = current_matched_rates(results.records.values()) if contested else {}
     for key, candidates in contested.items():
         held = results.records[key]
-        threshold = held["threshold"]
-        if threshold not in rates:
-            name = oda(threshold).name
-            rates[threshold] = task_rates(r for r in results.records.values() if r["policy"] == name)
-        rate = rates[threshold].get(held["task"], float("nan"))
-        rate = 0.0 if not math.isfinite(rate) else rate
+        rate = rates[held["threshold"]].get(held["task"], 0.0)
         if held.get("p") != rate:
             valid = next((r for r in candidates if r.get("p") == rate), None)
             if valid is not None:
                 results.add(valid)
                 added += 1
     return added
-
-
-def _is_matched_random(record: dict) -> bool:
-    return record.get("kind") == "random" and record.get("threshold") is not None
 
 
 def _finished(results: ResultsFile, example: EvalExample, spec: PolicySpec, p: float | None) -> bool:
@@ -577,6 +568,29 @@ def decided_counts(record: dict) -> tuple[int, int]:
             record["routed_steps"] - record.get("window_steps", 0))
 
 
+def matched_rates(oda_records: Iterable[dict], threshold: float) -> dict[str, float]:
+    """The matched Random control's probability per task: ODA's rate over `oda_records` (ODA at `threshold`),
+    0 on a task where ODA made no routed step past the window."""
+    rates = task_rates(oda_records)
+    for task, rate in rates.items():
+        if not math.isfinite(rate):
+            logger.warning(f"ODA@{threshold:g} made no routed step on task {task}: its Random control uses p=0.")
+            rates[task] = 0.0
+    return rates
+
+
+def is_matched_random(record: dict) -> bool:
+    """Whether a record is of a Random policy matched to ODA's rate (its p depends on the ODA records)."""
+    return record.get("kind") == "random" and record.get("threshold") is not None
+
+
+def current_matched_rates(records: Iterable[dict]) -> dict[float, dict[str, float]]:
+    """Threshold -> task -> the matched Random probability implied by the ODA records among `records`."""
+    records = list(records)
+    return {threshold: matched_rates([r for r in records if r["policy"] == oda(threshold).name], threshold)
+            for threshold in {r["threshold"] for r in records if is_matched_random(r)}}
+
+
 def task_rates(records: Iterable[dict]) -> dict[str, float]:
     """Per-task Full-call rate ``F_d / N_d`` over the steps past the window (NaN for a task without such steps)."""
     full_calls, steps = {}, {}
@@ -645,12 +659,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     # Example-major order, so a prompt is tokenized and prefilled once for all policies.
     run([(e, s, None) for e in examples for s in direct], "generate")
     if matched:
-        rates = {}  # threshold -> task -> ODA's observed Full-call rate on that task
-        for threshold in {s.threshold for s in matched}:
-            rates[threshold] = task_rates(results.records[(e.id, oda(threshold).name)] for e in examples)
-            for task, rate in rates[threshold].items():
-                if not math.isfinite(rate):
-                    logger.warning(f"ODA@{threshold:g} made no routed step on task {task}: its Random control uses p=0.")
-                    rates[threshold][task] = 0.0
+        rates = {threshold: matched_rates([results.records[(e.id, oda(threshold).name)] for e in examples], threshold)
+                 for threshold in {s.threshold for s in matched}}
         run([(e, s, rates[s.threshold][e.task]) for e in examples for s in matched], "random control")
     return [results.records[(e.id, s.name)] for s in policies for e in examples]
