@@ -574,6 +574,23 @@ def test_matched_random_is_redone_when_odas_rate_moves(tmp_path, monkeypatch):
     assert [reread[(r["id"], r["policy"])] for r in larger] == larger
 
 
+def test_reports_leave_out_matched_random_records_drawn_at_an_outdated_rate(tmp_path):
+    """ODA run over more prompts without its control: the control's old records no longer match ODA's rate."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    suite, path = _suite(n_per_task=3), tmp_path / "results.jsonl"
+    first = runner.evaluate(model, tokenizer, [e for e in suite if e.id.endswith("/0")],
+                            [runner.oda(0.0), runner.random_matched(0.0, 42)], path, progress=False)
+    assert runner.current_records(first) == first
+    larger = runner.evaluate(model, tokenizer, suite, [runner.oda(0.0)], path, progress=False)
+    rates = runner.task_rates(larger)
+    held = list(runner.ResultsFile(path).records.values())
+    stale = [r for r in held if r["kind"] == "random" and r["p"] != rates[r["task"]]]
+    assert stale, "the larger run must move some task's rate for this test to mean anything"
+    kept = runner.current_records(held)
+    assert [r for r in held if r not in stale] == kept
+    assert all(r["p"] == rates[r["task"]] for r in kept if r["kind"] == "random")
+
+
 def test_runs_split_by_task_merge_into_one(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     policies = [runner.full(), runner.oda(0.0)]

@@ -15,7 +15,7 @@ import argparse
 import os
 
 from oda_hf.evaluation.report import summarize, task_order
-from oda_hf.evaluation.runner import ResultsFile, current_matched_rates, is_matched_random
+from oda_hf.evaluation.runner import ResultsFile, current_records
 
 
 def load(*folders: str) -> dict[int, list[dict]]:
@@ -28,14 +28,7 @@ def load(*folders: str) -> dict[int, list[dict]]:
                 # Within a file the last record of a pair wins (a matched Random record redone at a new rate).
                 for key, record in ResultsFile(path, repair=False).records.items():
                     runs.setdefault(int(name), {}).setdefault(key, record)
-    return {length: current(list(runs[length].values())) for length in sorted(runs)}
-
-
-def current(records: list[dict]) -> list[dict]:
-    """Drop matched Random records drawn at a rate that is not ODA's per-task rate over these records (left by a
-    run over fewer prompts, not yet redrawn): they would be summarised as the control of another ODA run."""
-    rates = current_matched_rates(records)
-    return [r for r in records if not is_matched_random(r) or r["p"] == rates[r["threshold"]].get(r["task"], 0.0)]
+    return {length: current_records(runs[length].values()) for length in sorted(runs)}
 
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:

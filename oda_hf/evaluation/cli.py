@@ -181,7 +181,7 @@ def run_eval(args) -> int:
     if args.report_only:
         if not os.path.exists(results_path):
             raise UsageError(f"--report-only: {results_path} does not exist; run without --report-only first.")
-        records = list(runner.ResultsFile(results_path, repair=False).records.values())
+        records = runner.current_records(runner.ResultsFile(results_path, repair=False).records.values())
         paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
         print("\n".join(f"[oda eval] wrote {p}" for p in paths.values()), file=sys.stderr)
         return 0

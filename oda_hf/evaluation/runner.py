@@ -591,6 +591,14 @@ def current_matched_rates(records: Iterable[dict]) -> dict[float, dict[str, floa
             for threshold in {r["threshold"] for r in records if is_matched_random(r)}}
 
 
+def current_records(records: Iterable[dict]) -> list[dict]:
+    """`records` without the matched Random records drawn at a rate that is not ODA's per-task rate over them (left
+    by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run."""
+    records = list(records)
+    rates = current_matched_rates(records)
+    return [r for r in records if not is_matched_random(r) or r["p"] == rates[r["threshold"]].get(r["task"], 0.0)]
+
+
 def task_rates(records: Iterable[dict]) -> dict[str, float]:
     """Per-task Full-call rate ``F_d / N_d`` over the steps past the window (NaN for a task without such steps)."""
     full_calls, steps = {}, {}
