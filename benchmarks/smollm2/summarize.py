@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from oda_hf.evaluation.report import summarize, task_order
+from oda_hf.evaluation.report import group_order, summarize, task_order
 from oda_hf.evaluation.runner import ResultsFile, current_records
 
 
@@ -33,7 +33,8 @@ def load(*folders: str) -> dict[int, list[dict]]:
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
     summaries = {length: summarize(records) for length, records in runs.items()}
-    groups = list(dict.fromkeys(g for s in summaries.values() for g in s))
+    every = {name: group for summary in summaries.values() for name, group in summary.items()}
+    groups = [g.group for g in sorted(every.values(), key=group_order)]  # columns of every length, in report order
     tasks = task_order({r["task"] for records in runs.values() for r in records})
     header = "| task | length | n | " + " | ".join(groups) + " |"
     lines = [header, "|" + "---|" * (3 + len(groups))]

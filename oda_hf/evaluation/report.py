@@ -206,9 +206,12 @@ def summarize(records: Iterable[dict]) -> dict[str, GroupSummary]:
         if group not in groups:
             groups[group] = GroupSummary(group, kind, threshold, [])
         groups[group].runs.append(stats)
-    ordered = sorted(groups.values(), key=lambda g: (KIND_ORDER.get(g.kind, 9), g.threshold if g.threshold is not None
-                                                     else 0.0, g.group))
-    return {g.group: g for g in ordered}
+    return {g.group: g for g in sorted(groups.values(), key=group_order)}
+
+
+def group_order(group: GroupSummary) -> tuple:
+    """Sort key of report columns: Full, StreamingLLM, ODA by threshold, Random, schedules."""
+    return KIND_ORDER.get(group.kind, 9), group.threshold if group.threshold is not None else 0.0, group.group
 
 
 def task_order(tasks: Iterable[str]) -> list[str]:
