@@ -342,7 +342,7 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
     rates = current_matched_rates(results.records.values()) if contested else {}
     for key, candidates in contested.items():
         held = results.records[key]
-        rate = rates[held["threshold"]].get(held["task"], 0.0)
+        rate = matched_rate_of(held, rates)
         if held.get("p") != rate:
             valid = next((r for r in candidates if r.get("p") == rate), None)
             if valid is not None:
@@ -596,7 +596,12 @@ def current_records(records: Iterable[dict]) -> list[dict]:
     by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run."""
     records = list(records)
     rates = current_matched_rates(records)
-    return [r for r in records if not is_matched_random(r) or r["p"] == rates[r["threshold"]].get(r["task"], 0.0)]
+    return [r for r in records if not is_matched_random(r) or r["p"] == matched_rate_of(r, rates)]
+
+
+def matched_rate_of(record: dict, rates: dict[float, dict[str, float]]) -> float:
+    """The probability a matched Random `record` should have been drawn with, from `current_matched_rates`."""
+    return rates[record["threshold"]].get(record["task"], 0.0)
 
 
 def task_rates(records: Iterable[dict]) -> dict[str, float]:
