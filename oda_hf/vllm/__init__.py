@@ -1,0 +1,110 @@
+"""ODA inside vLLM: model classes, a model runner that keeps per-request routing state, and helpers.
+
+Install beside vLLM (see README, "Serving with vLLM"); vLLM loads `register` through its ``vllm.general_plugins``
+entry point in every process. Then::
+
+    from vllm import LLM, SamplingParams
+    from oda_hf.vllm import engine_args, routing_stats
+
+    llm = LLM(**engine_args("smollm2", head="smollm2", max_model_len=8192))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=64, extra_args={"oda_policy": "head"}))
+    routing_stats(llm, outs)      # per request: Full calls, routed steps, decisions, scores
+
+This package imports vLLM only inside functions, so ``import oda_hf.vllm`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .requests import FINISHED_KEPT, pooled
+from .requests import POLICY_KEY, THRESHOLD_KEY, RequestRouting, parse_policy, request_routing  # noqa: F401
+
+ODA_ARCHITECTURES = {
+    "LlamaForCausalLM": "OdaLlamaForCausalLM",
+    "MistralForCausalLM": "OdaLlamaForCausalLM",
+    "Qwen2ForCausalLM": "OdaQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "OdaQwen3ForCausalLM",
+}
+
+
+def register() -> None:
+    """vLLM plugin entry point: register the ODA model classes (lazily, by name; idempotent)."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for name in sorted(set(ODA_ARCHITECTURES.values())):
+        if name not in known:
+            ModelRegistry.register_model(name, f"oda_hf.vllm.model:{name}")
+
+
+def oda_architecture(model_folder: str) -> str:
+    """The ODA class name for the base model in `model_folder` (ValueError for an unsupported family)."""
+    path = os.path.join(model_folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_folder} has no config.json: give a local model folder (hub ids are not "
+                                "resolved here; download the model first).")
+    with open(path) as f:
+        architectures = json.load(f).get("architectures") or []
+    for name in architectures:
+        if name in ODA_ARCHITECTURES:
+            return ODA_ARCHITECTURES[name]
+    raise ValueError(f"ODA's vLLM plugin serves {sorted(ODA_ARCHITECTURES)}; {model_folder} is {architectures}. "
+                     "Serve it with oda_hf's Transformers path (OdaForCausalLM) instead.")
+
+
+def engine_args(base: str, head: str | None = None, *, sinks: int | None = None, window: int | None = None,
+                threshold: float | None = None, policy: str | None = None, **vllm_kwargs) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (or `AsyncEngineArgs`) that serve `base` with ODA.
+
+    `base` is a local model folder or ``smollm2`` (after ``oda fetch smollm2``); `head` a recall-head folder or a
+    shipped head (``smollm2``). Sinks, window, threshold and policy default to the head's saved ``oda_config.json``;
+    they are the engine's defaults, and a request may choose its own policy and threshold (``extra_args``).
+    """
+    from ..known_models import resolve_base
+    from .settings import ServingSettings
+
+    folder = os.path.abspath(os.fspath(resolve_base(base)))
+    settings = ServingSettings.resolve(head, sinks, window, threshold, policy)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner
+    overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
+    overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
+    if vllm_kwargs.get("enforce_eager") is False:
+        raise ValueError("ODA models run eagerly: leave enforce_eager at True.")
+    if vllm_kwargs.get("enable_prefix_caching"):
+        raise ValueError("ODA serves without prefix caching: vLLM would share decode blocks whose KV came from "
+                         "Local steps as if a Full prefill had written them. Leave enable_prefix_caching off.")
+    kwargs = dict(model=folder, hf_overrides=overrides, enforce_eager=True, enable_prefix_caching=False,
+                  worker_cls=worker_class_name())
+    kwargs.update(vllm_kwargs)
+    return kwargs
+
+
+def worker_class_name() -> str:
+    from vllm.platforms import current_platform
+
+    return "oda_hf.vllm.worker.OdaCPUWorker" if current_platform.is_cpu() else "oda_hf.vllm.worker.OdaGPUWorker"
+
+
+def routing_stats(llm, outputs=None) -> dict:
+    """ODA's counts per request (`outputs`' request ids, or every request the engine kept) and pooled over them.
+
+    Per request: ``policy``, ``routed_steps`` (outputs after the first), ``decided_steps`` (those past sinks +
+    window), ``full_calls``, ``full_call_rate`` (Full / decided), ``decisions`` and ``scores`` per routed step.
+    """
+    stats = llm.collective_rpc("oda_routing_stats")[0]
+    by_request = {external_request_id(rid): value for rid, value in stats["requests"].items()}
+    if outputs is not None:
+        missing = [out.request_id for out in outputs if out.request_id not in by_request]
+        if missing:
+            raise KeyError(f"The engine has no ODA routing record of requests {missing} (it keeps the newest "
+                           f"{FINISHED_KEPT:,} finished ones).")
+        by_request = {out.request_id: by_request[out.request_id] for out in outputs}
+    return pooled(by_request)
+
+
+def external_request_id(engine_id: str) -> str:
+    """The id a caller gave (or the API server made) for a request: vLLM's engine appends ``-<8 hex digits>``."""
+    head, _, tail = engine_id.rpartition("-")
+    return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else engine_id

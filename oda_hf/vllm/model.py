@@ -1,0 +1,198 @@
+"""ODA model classes for vLLM: the stock Llama / Qwen2 / Qwen3 models with a routed decode step.
+
+Each class is vLLM's own model (its modules, weight loading, `compute_logits`) with one change: `forward` returns,
+for every decode row, the final hidden state of the branch ODA selected (ODA_SPEC 2). Per step:
+
+1. One pass over all scheduled tokens. Prefill chunks, decode steps whose history still fits in sinks + window and
+   rows already decided Full (policy ``full``, a Random or schedule hit) attend natively; the other decode rows attend
+   Local, read from the paged cache (`attention.paged_local_attention`). Every token's KV is written to its slot.
+2. The recall head scores the rows that use it: ``q = head(h_prev, embed(x_t), h_L)``; Full where ``q > theta`` or
+   ``q`` is not finite.
+3. A Full pass over those rows only (metadata built for that sub-batch): it overwrites their KV slot, so the last
+   pass to write a row's slot is its selected branch.
+4. ``h_prev`` of every row becomes the hidden state of its last token (prefill: Full; decode: the selected one).
+
+Sampling, logits processors and the scheduler stay vLLM's. The routing state lives in the ODA model runner
+(`runner.OdaRunnerMixin`), which passes each step's rows to `forward` as ``oda_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from .attention import LocalPlan, local_plan, oda_attention_impl_class
+from .settings import ServingSettings
+
+
+class OdaCausalLMMixin:
+    """Mixed in before a vLLM ``*ForCausalLM`` class (see the classes at the bottom)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        from vllm.config import CompilationMode
+        from vllm.model_executor.layers.attention import Attention
+
+        if vllm_config.compilation_config.mode != CompilationMode.NONE:
+            raise ValueError("ODA models run eagerly (their decode step branches per row): start the engine with "
+                             "enforce_eager=True (vllm serve --enforce-eager); oda_hf.vllm.engine_args does.")
+        self.oda_settings = ServingSettings.from_override(getattr(vllm_config.model_config.hf_config, "oda", None))
+        head = None
+        if self.oda_settings.head is not None:
+            head = _load_head(self.oda_settings.head, vllm_config.model_config.hf_config)
+        # Not a registered submodule: vLLM's loader must not look for the head's weights in the base checkpoint.
+        self.__dict__["oda_head"] = head
+        self.oda_runner_attached = False
+        for module in self.modules():
+            if isinstance(module, Attention):
+                backend = module.attn_backend.get_name()
+                module.impl.__class__ = oda_attention_impl_class(type(module.impl), backend)
+
+    # -- the routed step --------------------------------------------------------------------------------
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, oda_step=None, **kwargs):
+        if oda_step is None:
+            if not self.oda_runner_attached:
+                raise RuntimeError("This ODA model is served without ODA's model runner, so it cannot route: start "
+                                   "the engine with oda_hf.vllm.engine_args(...) or `oda serve` (worker_cls "
+                                   "oda_hf.vllm.worker.OdaCPUWorker / OdaGPUWorker).")
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if intermediate_tensors is not None or inputs_embeds is not None:
+            raise NotImplementedError("ODA serves token-id prompts on one pipeline stage (no prompt embeddings, no "
+                                      "pipeline parallelism).")
+        return self._routed_forward(oda_step, input_ids, positions)
+
+    def _routed_forward(self, step, input_ids, positions):
+        settings = self.oda_settings
+        span = settings.sinks + settings.window
+        native_rows, local_rows, head_rows = [], [], []
+        for row, state in enumerate(step.states):
+            if not step.decode[row]:
+                native_rows.append(row)
+                continue
+            state.routed_steps += 1
+            decided = state.predecided(state.routed_steps)
+            if step.seq_lens[row] <= span:          # Local reads the whole history: Local == Full, nothing to decide
+                native_rows.append(row)
+                state.decisions.append(False)
+                state.scores.append(math.nan)
+                continue
+            state.decided_steps += 1
+            if decided is None:
+                local_rows.append(row)
+                head_rows.append(row)
+            elif decided:
+                native_rows.append(row)
+                state.decisions.append(True)
+                state.scores.append(math.nan)
+                state.full_calls += 1
+            else:
+                local_rows.append(row)
+                state.decisions.append(False)
+                state.scores.append(math.nan)
+
+        if local_rows:
+            device = input_ids.device
+            plan = LocalPlan(sinks=settings.sinks, window=settings.window,
+                             local_tokens=torch.tensor([step.token_start[r] for r in local_rows], device=device),
+                             local_rows=torch.tensor(local_rows, device=device))
+            if native_rows:
+                plan.native_tokens = step.tokens_of(native_rows, device)
+                plan.native_metadata, _ = step.metadata_for(native_rows)
+            with local_plan(plan):
+                hidden = super().forward(input_ids, positions, None, None)
+        else:
+            hidden = super().forward(input_ids, positions, None, None)
+
+        if head_rows:
+            self._decide_and_retry(step, head_rows, input_ids, positions, hidden)
+        for row, state in enumerate(step.states):
+            last = step.token_start[row] + step.token_count[row] - 1
+            state.prev_hidden = hidden[last].detach().clone()
+        return hidden
+
+    def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden):
+        head = self.oda_head
+        if head is None:
+            raise RuntimeError("policy 'head' reached a model served without a recall head.")
+        tokens = torch.tensor([step.token_start[r] for r in head_rows], device=hidden.device)
+        states = [step.states[r] for r in head_rows]
+        if any(state.prev_hidden is None for state in states):
+            raise RuntimeError("ODA internal error: a decode row has no preceding hidden state (its prefill was not "
+                               "seen by this runner).")
+        if next(head.parameters()).device != hidden.device:
+            head.to(hidden.device)
+        with torch.no_grad():
+            scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
+                          hidden[tokens]).float()
+        thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
+        recall = ((scores > thresholds) | ~torch.isfinite(scores)).tolist()
+        for state, score, full in zip(states, scores.tolist(), recall):
+            state.decisions.append(bool(full))
+            state.scores.append(float(score))
+            state.full_calls += int(full)
+        retry_rows = [row for row, full in zip(head_rows, recall) if full]
+        if not retry_rows:
+            return
+        retry_tokens = step.tokens_of(retry_rows, hidden.device)
+        metadata, slots = step.metadata_for(retry_rows)
+        with _swapped_forward_context(metadata, slots):
+            full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)
+        hidden[retry_tokens] = full_hidden
+
+
+@contextlib.contextmanager
+def _swapped_forward_context(attn_metadata: dict, slot_mapping: dict):
+    """Run a pass over a sub-batch: its attention metadata and KV-write slots replace the step's."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    saved = context.attn_metadata, context.slot_mapping
+    context.attn_metadata, context.slot_mapping = attn_metadata, slot_mapping
+    try:
+        yield
+    finally:
+        context.attn_metadata, context.slot_mapping = saved
+
+
+def _load_head(folder: str, base_config):
+    """The recall head of `folder`, FP32, checked against the served base (hidden and vocabulary size)."""
+    from safetensors.torch import load_file
+
+    from ..head import RecallHead, RecallHeadConfig
+
+    config = RecallHeadConfig.from_pretrained(folder)
+    RecallHead._check_saved_weights(folder, config)
+    with torch.device("cpu"):
+        head = RecallHead(config)
+    head.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=True)
+    head.check_compatible(base_config)
+    return head.float().eval()
+
+
+def _oda_class(base: type, name: str) -> type:
+    return type(name, (OdaCausalLMMixin, base), {"__doc__": f"vLLM's {base.__name__} with ODA's routed decode step."})
+
+
+def _llama():
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _qwen2():
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM
+
+
+def _qwen3():
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+OdaLlamaForCausalLM = _oda_class(_llama(), "OdaLlamaForCausalLM")
+OdaQwen2ForCausalLM = _oda_class(_qwen2(), "OdaQwen2ForCausalLM")
+OdaQwen3ForCausalLM = _oda_class(_qwen3(), "OdaQwen3ForCausalLM")

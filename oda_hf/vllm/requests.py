@@ -1,0 +1,146 @@
+"""Per-request routing knobs and state for ODA served by vLLM.
+
+A request picks its routing with ``SamplingParams.extra_args`` (in the OpenAI API: ``vllm_xargs``):
+
+* ``oda_policy``: ``head`` | ``full`` | ``local`` | ``random:P[:SEED]`` | ``schedule:K:PERIOD`` (default: the
+  engine's, normally ``head``);
+* ``oda_threshold``: the head's threshold theta for this request (default: the engine's).
+
+`OdaRequestValidator` checks them when a request is admitted (vLLM runs every logits processor's
+``validate_params`` in the front end), so a bad value fails that request with HTTP 400 / ``ValueError`` and the
+engine keeps serving the others. The worker parses the same values with the same function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+POLICY_KEY = "oda_policy"
+THRESHOLD_KEY = "oda_threshold"
+KNOWN_KEYS = (POLICY_KEY, THRESHOLD_KEY)
+POLICY_HELP = "head, full, local, random:P[:SEED] or schedule:K:PERIOD"
+FINISHED_KEPT = 100_000  # finished requests whose routing records the worker keeps
+
+
+@dataclass(frozen=True)
+class RequestRouting:
+    """One request's routing rule."""
+
+    policy: str = "head"            # head | full | local | random | schedule
+    threshold: float = 0.0
+    p: float = 0.0                  # random
+    seed: int = 42                  # random
+    k: int = 0                      # schedule
+    period: int = 1                 # schedule
+
+    def describe(self) -> str:
+        if self.policy == "head":
+            return f"head(threshold={self.threshold:g})"
+        if self.policy == "random":
+            return f"random:{self.p:g}:{self.seed}"
+        if self.policy == "schedule":
+            return f"schedule:{self.k}:{self.period}"
+        return self.policy
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be a number; got {value!r}.")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number; got {value!r}.") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number; got {value!r}.")
+    return number
+
+
+def _integer(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer; got {text!r}.") from None
+
+
+def parse_policy(text, threshold: float) -> RequestRouting:
+    """'head', 'full', 'local', 'random:P[:SEED]' or 'schedule:K:PERIOD' as a `RequestRouting` (ValueError if not)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{POLICY_KEY} must be a string ({POLICY_HELP}); got {text!r}.")
+    kind, *args = text.strip().split(":")
+    if kind in ("head", "full", "local") and not args:
+        return RequestRouting(policy=kind, threshold=threshold)
+    if kind == "random" and 1 <= len(args) <= 2:
+        p = _number(args[0], "random:P")
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"random:P needs 0 <= P <= 1; got {args[0]!r}.")
+        seed = _integer(args[1], "random:P:SEED") if len(args) == 2 else 42
+        return RequestRouting(policy="random", threshold=threshold, p=p, seed=seed)
+    if kind == "schedule" and len(args) == 2:
+        k, period = _integer(args[0], "schedule:K"), _integer(args[1], "schedule:K:PERIOD")
+        if period < 1 or not 0 <= k <= period:
+            raise ValueError(f"schedule:K:PERIOD needs PERIOD >= 1 and 0 <= K <= PERIOD; got {text!r}.")
+        return RequestRouting(policy="schedule", threshold=threshold, k=k, period=period)
+    raise ValueError(f"unknown {POLICY_KEY} {text!r}: use {POLICY_HELP}.")
+
+
+def request_routing(extra_args: dict | None, default: RequestRouting) -> RequestRouting:
+    """The routing a request asks for in its extra args, over the engine's `default` (ValueError if invalid)."""
+    extra_args = extra_args or {}
+    threshold = default.threshold
+    if extra_args.get(THRESHOLD_KEY) is not None:
+        threshold = _number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
+    if extra_args.get(POLICY_KEY) is None:
+        return RequestRouting(**{**default.__dict__, "threshold": threshold})
+    return parse_policy(extra_args[POLICY_KEY], threshold)
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps for one request: its rule, the preceding selected hidden state and its counts."""
+
+    routing: RequestRouting
+    prev_hidden: torch.Tensor | None = None
+    routed_steps: int = 0        # decode steps (every output after the first)
+    decided_steps: int = 0       # of those, past sinks + window (where Local differs from Full)
+    full_calls: int = 0
+    decisions: list = field(default_factory=list)   # per routed step: True = Full
+    scores: list = field(default_factory=list)      # per routed step: the head's q (NaN where it did not run)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.routing.policy == "random":
+            self.generator = torch.Generator().manual_seed(self.routing.seed)
+
+    def predecided(self, step: int) -> bool | None:
+        """The decision for routed `step` (1-based) when it does not depend on the head, else None.
+
+        Random draws one value per step, in-window steps included, as `oda_hf.RandomPolicy` does at batch 1.
+        """
+        policy = self.routing.policy
+        if policy == "full":
+            return True
+        if policy == "local":
+            return False
+        if policy == "random":
+            return bool(torch.rand(1, generator=self.generator).item() < self.routing.p)
+        if policy == "schedule":
+            return (step - 1) % self.routing.period < self.routing.k
+        return None
+
+    def summary(self) -> dict:
+        return {"policy": self.routing.describe(), "routed_steps": self.routed_steps,
+                "decided_steps": self.decided_steps, "full_calls": self.full_calls,
+                "full_call_rate": self.full_calls / self.decided_steps if self.decided_steps else 0.0,
+                "decisions": list(self.decisions), "scores": list(self.scores)}
+
+
+def pooled(requests: dict) -> dict:
+    """Per-request summaries and their totals; the pooled Full-call rate is Full / decided steps over them."""
+    full = sum(v["full_calls"] for v in requests.values())
+    decided = sum(v["decided_steps"] for v in requests.values())
+    return {"requests": requests, "full_calls": full, "decided_steps": decided,
+            "routed_steps": sum(v["routed_steps"] for v in requests.values()),
+            "pooled_full_call_rate": full / decided if decided else 0.0}

@@ -1,0 +1,137 @@
+"""ODA's model runner: vLLM's runner plus the per-request routing state the model needs each step.
+
+vLLM's model ``forward`` sees flattened tokens only. The runner knows which request each row is, whether the row is
+a decode step, and how to build attention metadata; `OdaRunnerMixin` hands the model an `OdaStep` with exactly that,
+keeps each request's `RequestState` (``h_prev``, knobs, counts) and keeps the counts of finished requests for
+`routing_stats` (read with ``LLM.collective_rpc``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .requests import FINISHED_KEPT, RequestState, pooled, request_routing
+
+
+@dataclass
+class OdaStep:
+    """The rows of one scheduled step, in batch order."""
+
+    req_ids: list
+    token_start: list          # first token index of each row in the flattened batch
+    token_count: list          # scheduled tokens per row
+    seq_lens: list             # cached positions per row after this step
+    decode: list               # the row is a decode step (one token, past its prompt)
+    states: list               # RequestState per row
+    metadata_for: Callable     # rows -> (attention metadata per layer, KV-write slots per layer)
+
+    def tokens_of(self, rows, device) -> torch.Tensor:
+        return torch.cat([torch.arange(self.token_start[r], self.token_start[r] + self.token_count[r])
+                          for r in rows]).to(device)
+
+
+class OdaRunnerMixin:
+    """Mixed in before vLLM's V1 model runner class (CPU or GPU)."""
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        from .model import OdaCausalLMMixin
+
+        model = self.get_model()
+        self.oda_model = model if isinstance(model, OdaCausalLMMixin) else None
+        self.oda_states: dict[str, RequestState] = {}
+        self.oda_finished: OrderedDict[str, dict] = OrderedDict()
+        if self.oda_model is not None:
+            model.oda_runner_attached = True
+
+    def _on_request_state_removed(self, req_id, req_state):
+        super()._on_request_state_removed(req_id, req_state)
+        state = getattr(self, "oda_states", {}).pop(req_id, None)
+        if state is not None:
+            self.oda_finished[req_id] = state.summary()
+            while len(self.oda_finished) > FINISHED_KEPT:
+                self.oda_finished.popitem(last=False)
+
+    def oda_routing_stats(self, req_ids=None) -> dict:
+        """Counts per request id (finished and running) and the pooled Full-call rate over them."""
+        every = {**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}}
+        return pooled(every if req_ids is None else {rid: every[rid] for rid in req_ids if rid in every})
+
+    def oda_clear_finished(self) -> None:
+        self.oda_finished.clear()
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        if getattr(self, "oda_model", None) is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+        step = self._oda_step(positions)
+        return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, oda_step=step,
+                                      **model_kwargs)
+
+    def _oda_step(self, positions) -> OdaStep:
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        starts = self.query_start_loc.cpu[: num_reqs + 1].tolist()
+        computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
+        default = self.oda_model.oda_settings.default_routing
+        req_ids, counts, seq_lens, decode, states = [], [], [], [], []
+        for row in range(num_reqs):
+            req_id = batch.req_ids[row]
+            request = self.requests[req_id]
+            state = self.oda_states.get(req_id)
+            if state is None:
+                extra = getattr(request.sampling_params, "extra_args", None)
+                state = self.oda_states[req_id] = RequestState(request_routing(extra, default))
+            count = starts[row + 1] - starts[row]
+            req_ids.append(req_id)
+            counts.append(count)
+            seq_lens.append(computed[row] + count)
+            decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
+            states.append(state)
+
+        def metadata_for(rows):
+            return self._oda_metadata_for(rows, starts, positions)
+
+        return OdaStep(req_ids, starts[:-1], counts, seq_lens, decode, states, metadata_for)
+
+    def _oda_metadata_for(self, rows, starts, positions):
+        """Attention metadata and KV-write slots for the tokens of `rows` only, from each group's own builder."""
+        from copy import copy
+
+        from vllm.forward_context import get_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        context = get_forward_context()
+        num_reqs = self.input_batch.num_reqs
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        counts = torch.tensor([starts[r + 1] - starts[r] for r in rows], dtype=torch.int32)
+        query_start_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=query_start_cpu[1:])
+        tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+        seq_lens = self.seq_lens[:num_reqs][rows_t.to(self.seq_lens.device)]
+        computed = self.input_batch.num_computed_tokens_cpu_tensor[:num_reqs][rows_t]
+        prompt = self.input_batch.num_prompt_tokens_cpu_tensor[:num_reqs][rows_t]
+        device = positions.device
+        tokens_dev = tokens.to(device)
+        metadata, slots = {}, {}
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            layer_slots = context.slot_mapping[group.layer_names[0]][tokens_dev]
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start_cpu.to(device), query_start_loc_cpu=query_start_cpu,
+                seq_lens=seq_lens, num_reqs=len(rows), num_actual_tokens=int(tokens.numel()),
+                max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                block_table_tensor=self.input_batch.block_table[gid].get_device_tensor(num_reqs)[rows_t.to(device)],
+                slot_mapping=layer_slots, causal=True, is_prefilling=computed < prompt,
+                positions=positions[tokens_dev],
+            )
+            for attn_group in self.attn_groups[gid]:
+                built = attn_group.build_metadata(copy(common))
+                for name in attn_group.layer_names:
+                    metadata[name] = built
+            for name in group.layer_names:
+                slots[name] = layer_slots
+        return metadata, slots

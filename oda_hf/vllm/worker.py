@@ -1,0 +1,64 @@
+"""Workers that build ODA's model runner (`worker_cls` of the engine; `engine_args` picks the right one)."""
+
+from __future__ import annotations
+
+import torch
+
+from .runner import OdaRunnerMixin
+
+
+def _require_v1_runner(worker) -> None:
+    if getattr(worker, "use_v2_model_runner", False):
+        raise RuntimeError("ODA runs on vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0 before starting "
+                           "the engine (oda_hf.vllm.engine_args and `oda serve` do).")
+
+
+def _cpu_classes():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    class OdaCPUModelRunner(OdaRunnerMixin, CPUModelRunner):
+        pass
+
+    class OdaCPUWorker(CPUWorker):
+        def init_device(self):
+            super().init_device()
+            _require_v1_runner(self)
+            self.model_runner = OdaCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+        def oda_routing_stats(self, req_ids=None):
+            return self.model_runner.oda_routing_stats(req_ids)
+
+    return OdaCPUModelRunner, OdaCPUWorker
+
+
+def _gpu_classes():
+    """The CUDA worker (written for vLLM's GPU build; it has never run here: no GPU in this project)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    class OdaGPUModelRunner(OdaRunnerMixin, GPUModelRunner):
+        pass
+
+    class OdaGPUWorker(Worker):
+        def init_device(self):
+            super().init_device()
+            _require_v1_runner(self)
+            self.model_runner = OdaGPUModelRunner(self.vllm_config, self.device)
+
+        def oda_routing_stats(self, req_ids=None):
+            return self.model_runner.oda_routing_stats(req_ids)
+
+    return OdaGPUModelRunner, OdaGPUWorker
+
+
+def __getattr__(name):
+    if name in ("OdaCPUModelRunner", "OdaCPUWorker"):
+        runner, worker = _cpu_classes()
+        globals().update(OdaCPUModelRunner=runner, OdaCPUWorker=worker)
+        return globals()[name]
+    if name in ("OdaGPUModelRunner", "OdaGPUWorker"):
+        runner, worker = _gpu_classes()
+        globals().update(OdaGPUModelRunner=runner, OdaGPUWorker=worker)
+        return globals()[name]
+    raise AttributeError(name)

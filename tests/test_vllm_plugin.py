@@ -1,0 +1,230 @@
+"""ODA inside vLLM (CPU build), against stock vLLM and against oda_hf's Transformers path.
+
+vLLM pins an older transformers than oda_hf needs, so it lives in its own environment (`.venv-vllm`, made by
+`.ci/run`). These tests run in oda_hf's environment: they build tiny random models, run every request batch on one
+vLLM engine per configuration through `tests/vllm_driver.py` under the vLLM environment's Python, and compare with
+`OdaForCausalLM` here. Without that environment they are skipped (and fail under CI, where it must exist).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from oda_hf import OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.environ.get("ODA_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
+if not os.path.exists(VLLM_PYTHON):
+    if os.environ.get("CI"):
+        raise RuntimeError(f"CI must run the vLLM tests, but {VLLM_PYTHON} does not exist (.ci/run makes it).")
+    pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (.ci/run makes one)", allow_module_level=True)
+
+SINKS, WINDOW = 4, 16
+SPAN = SINKS + WINDOW
+VOCAB = 128
+ENGINE = dict(dtype="float32", max_model_len=1024, block_size=32, seed=0, max_num_seqs=16)
+
+
+def build_model(folder, heads: int, kv_heads: int, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32 * heads, intermediate_size=96, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=32, num_hidden_layers=2, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)   # sharper logits: greedy paths that fp noise does not flip
+    model.save_pretrained(folder)
+    save_word_tokenizer(folder)
+    head = RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW))
+    head.save_pretrained(os.path.join(folder, "head"))
+    return model
+
+
+def save_word_tokenizer(folder) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("w3" .. "w127"; 0-2 special) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(folder)
+
+
+def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | None, **engine) -> list:
+    spec = {"engine": {"model": model_folder, **ENGINE, **engine}, "oda": oda, "batches": batches}
+    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_driver.py"), str(spec_path),
+                           str(out_path)], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
+def prompt(length: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+def request(ids, max_tokens=12, policy=None, threshold=None, logprobs=None):
+    extra = {}
+    if policy is not None:
+        extra["oda_policy"] = policy
+    if threshold is not None:
+        extra["oda_threshold"] = threshold
+    return {"prompt": ids, "max_tokens": max_tokens, "extra_args": extra or None, "logprobs": logprobs}
+
+
+def hf_generate(model, head_folder, ids, max_tokens, policy, threshold=0.0):
+    oda = OdaForCausalLM.from_pretrained(model, head=head_folder, sinks=SINKS, window=WINDOW, threshold=threshold,
+                                         policy=policy)
+    out = oda.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+    return out[0, len(ids):].tolist(), oda.routing
+
+
+# Window edges: routed steps at seq_len w, w+1, s+w, s+w+1 and far past it (many wrap-arounds of a ring).
+EDGE_LENGTHS = [WINDOW - 2, WINDOW, SPAN - 1, SPAN, SPAN + 1, 45, 150]
+
+
+@pytest.fixture(scope="module")
+def gqa3(tmp_path_factory):
+    """Heads 6 / KV heads 2: one stock engine and one ODA engine, each serving every batch below once."""
+    tmp = tmp_path_factory.mktemp("vllm_gqa3")
+    folder = str(tmp / "model")
+    model = build_model(folder, heads=6, kv_heads=2)
+    head = os.path.join(folder, "head")
+    long = [prompt(n, seed=n) for n in EDGE_LENGTHS]
+    batches = {
+        "full": [request(ids, policy="full", logprobs=1) for ids in long],
+        "local": [request(ids, policy="local") for ids in long],
+        "head": [request(ids, policy="head", threshold=0.0) for ids in long],
+        "random": [request(long[5], policy="random:0.4:7"), request(long[6], policy="random:0.3")],
+        "schedule": [request(long[5], policy="schedule:2:4"), request(long[6], policy="schedule:1:3")],
+        "mixed": [request(long[6], policy="local"), request(long[5], policy="full"),
+                  request(long[4], policy="head", threshold=0.0), request(long[3], policy="schedule:2:4")],
+        "bad_policy": [request(long[0], policy="sometimes")],
+        "bad_nan": [request(long[0], threshold="nan")],
+        "bad_text": [request(long[0], threshold="high")],
+        "after_bad": [request(long[5], policy="local")],
+    }
+    order = list(batches)
+    stock = run_vllm(tmp, "stock", folder, [batches["full"]], oda=None)
+    oda = run_vllm(tmp, "oda", folder, [batches[name] for name in order],
+                   oda={"head": head, "sinks": SINKS, "window": WINDOW})
+    results = dict(zip(order, oda))
+    # prefix reuse: a request whose prompt extends an earlier ODA request's prompt and Local output
+    first = results["local"]["outputs"][6]["tokens"]
+    extended = long[6] + first + prompt(5, seed=99)
+    follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")], [request(extended,
+                      policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW})
+    cold = run_vllm(tmp, "stock_cold", folder, [[request(extended, logprobs=1)]], oda=None)
+    return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], oda=results,
+                follow=follow, cold=cold[0])
+
+
+def test_always_full_equals_stock_vllm(gqa3):
+    for ours, stock in zip(gqa3["oda"]["full"]["outputs"], gqa3["stock"]["outputs"]):
+        assert ours["tokens"] == stock["tokens"]
+        assert max(abs(a - b) for a, b in zip(ours["logprobs"], stock["logprobs"])) < 1e-4
+        assert ours["routing"]["routed_steps"] == 11
+        assert ours["routing"]["full_calls"] == ours["routing"]["decided_steps"]
+
+
+def test_always_local_equals_transformers_streamingllm_at_window_edges(gqa3):
+    for ids, ours in zip(gqa3["long"], gqa3["oda"]["local"]["outputs"]):
+        tokens, routing = hf_generate(gqa3["model"], None, ids, 12, "local")
+        assert ours["tokens"] == tokens, f"prompt of {len(ids)} tokens"
+        assert ours["routing"]["full_calls"] == 0
+        # decided = routed steps whose history is past sinks + window
+        assert ours["routing"]["decided_steps"] == sum(len(ids) + t > SPAN for t in range(1, 12))
+
+
+def test_local_differs_from_full_past_the_window(gqa3):
+    """The check above could pass with Local silently reading the whole history: make sure it does not."""
+    local = [o["tokens"] for o in gqa3["oda"]["local"]["outputs"]]
+    full = [o["tokens"] for o in gqa3["oda"]["full"]["outputs"]]
+    for ids, ours, stock in zip(gqa3["long"], local, full):
+        first_local = next((i for i in range(1, 12) if len(ids) + i > SPAN), 12)   # output i comes from step i
+        assert ours[:first_local] == stock[:first_local]
+    assert local[-2:] != full[-2:]
+
+
+def test_head_decisions_and_tokens_match_transformers_path(gqa3):
+    mixed = 0
+    for ids, ours in zip(gqa3["long"], gqa3["oda"]["head"]["outputs"]):
+        tokens, routing = hf_generate(gqa3["model"], gqa3["head"], ids, 12, "head", threshold=0.0)
+        scores = routing.scores[0].tolist()
+        theirs = routing.decisions[0].tolist()
+        close = [i for i, q in enumerate(scores) if math.isfinite(q) and abs(q) < 1e-4]
+        assert not close, f"scores within 1e-4 of the threshold at steps {close}: report, do not hide"
+        assert ours["routing"]["decisions"] == theirs
+        assert ours["tokens"] == tokens
+        for a, b in zip(ours["routing"]["scores"], scores):
+            assert (math.isnan(a) and math.isnan(b)) or abs(a - b) < 1e-4
+        mixed += 0 < sum(theirs) < len(theirs)
+    assert mixed, "the head never mixed Full and Local: the test would not see a wrong retry"
+
+
+def test_random_and_schedule_match_transformers_path(gqa3):
+    cases = [("random", RandomPolicy(0.4, seed=7), 5), ("random", RandomPolicy(0.3, seed=42), 6),
+             ("schedule", SchedulePolicy(2, 4), 5), ("schedule", SchedulePolicy(1, 3), 6)]
+    for index, (batch, policy, prompt_index) in enumerate(cases):
+        ours = gqa3["oda"][batch]["outputs"][index % 2]
+        tokens, routing = hf_generate(gqa3["model"], None, gqa3["long"][prompt_index], 12, policy)
+        assert ours["tokens"] == tokens
+        decided = (~routing.in_window[0]).tolist()
+        theirs = [d and keep for d, keep in zip(routing.decisions[0].tolist(), decided)]
+        assert ours["routing"]["decisions"] == theirs
+
+
+def test_mixed_policies_in_one_batch_equal_each_request_alone(gqa3):
+    oda = gqa3["oda"]
+    alone = [oda["local"]["outputs"][6], oda["full"]["outputs"][5], oda["head"]["outputs"][4]]
+    mixed = oda["mixed"]["outputs"]
+    for ours, single in zip(mixed[:3], alone):
+        assert ours["tokens"] == single["tokens"]
+        assert ours["routing"]["decisions"] == single["routing"]["decisions"]
+    tokens, _ = hf_generate(gqa3["model"], None, gqa3["long"][3], 12, SchedulePolicy(2, 4))
+    assert mixed[3]["tokens"] == tokens
+
+
+def test_bad_requests_fail_alone_and_the_engine_keeps_serving(gqa3):
+    oda = gqa3["oda"]
+    assert "oda_policy" in oda["bad_policy"]["error"] and "sometimes" in oda["bad_policy"]["error"]
+    assert "finite" in oda["bad_nan"]["error"]
+    assert "number" in oda["bad_text"]["error"]
+    assert oda["after_bad"]["outputs"][0]["tokens"] == oda["local"]["outputs"][5]["tokens"]
+
+
+def test_extending_an_oda_request_reads_a_cold_full_prefill(gqa3):
+    """Prefix caching is off for ODA, so no decode block written by a Local step is ever reused as prefill KV."""
+    ours = gqa3["follow"][1]["outputs"][0]
+    cold = gqa3["cold"]["outputs"][0]
+    assert ours["tokens"] == cold["tokens"]
+    assert max(abs(a - b) for a, b in zip(ours["logprobs"], cold["logprobs"])) < 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (7, 1)])
+def test_always_local_at_other_gqa_ratios(tmp_path, heads, kv_heads):
+    folder = str(tmp_path / "model")
+    model = build_model(folder, heads=heads, kv_heads=kv_heads, seed=1)
+    prompts = [prompt(n, seed=n + heads) for n in (SPAN - 1, SPAN + 1, 70)]
+    results = run_vllm(tmp_path, "oda", folder, [[request(ids, policy="local") for ids in prompts]],
+                       oda={"sinks": SINKS, "window": WINDOW, "policy": "local"})
+    for ids, ours in zip(prompts, results[0]["outputs"]):
+        tokens, _ = hf_generate(model, None, ids, 12, "local")
+        assert ours["tokens"] == tokens

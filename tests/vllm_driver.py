@@ -1,0 +1,53 @@
+"""Runs request batches on one vLLM engine (stock or ODA) and prints the results as JSON.
+
+Run by tests/test_vllm_plugin.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
+own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
+or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k}, ...], ...]}``. Each
+batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) records its error and the next batch runs
+on the same engine.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from oda_hf.vllm import engine_args, routing_stats
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    engine = dict(spec["engine"])
+    if spec.get("oda") is not None:
+        engine = engine_args(engine.pop("model"), **spec["oda"], **engine)
+    llm = LLM(**engine)
+    results = []
+    for batch in spec["batches"]:
+        params = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=req.get("logprobs"),
+                                 ignore_eos=True, extra_args=req.get("extra_args")) for req in batch]
+        try:
+            outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False)
+        except Exception as err:  # a rejected request: recorded, and the engine must go on serving
+            results.append({"error": f"{type(err).__name__}: {err}"})
+            continue
+        routing = routing_stats(llm, outputs)["requests"] if spec.get("oda") is not None else {}
+        rows = []
+        for out in outputs:
+            completion = out.outputs[0]
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            rows.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                         "routing": routing.get(out.request_id)})
+        results.append({"outputs": rows})
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
