@@ -132,9 +132,10 @@ def _subcommands() -> list:
     from .organism import demo
     from .training import cache_cli
     from .training import cli as training_cli
+    from .vllm import server
 
     return [demo.add_cli, known_models.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli,
-            evaluation_cli.add_cli, calibrate_cli.add_cli, ruler_synth.add_cli]
+            evaluation_cli.add_cli, calibrate_cli.add_cli, ruler_synth.add_cli, server.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

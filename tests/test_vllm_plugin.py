@@ -174,7 +174,7 @@ def test_head_decisions_and_tokens_match_transformers_path(gqa3):
         assert ours["routing"]["decisions"] == theirs
         assert ours["tokens"] == tokens
         for a, b in zip(ours["routing"]["scores"], scores):
-            assert (math.isnan(a) and math.isnan(b)) or abs(a - b) < 1e-4
+            assert (a is None and math.isnan(b)) or abs(a - b) < 1e-4
         mixed += 0 < sum(theirs) < len(theirs)
     assert mixed, "the head never mixed Full and Local: the test would not see a wrong retry"
 
@@ -228,3 +228,55 @@ def test_always_local_at_other_gqa_ratios(tmp_path, heads, kv_heads):
     for ids, ours in zip(prompts, results[0]["outputs"]):
         tokens, _ = hf_generate(model, None, ids, 12, "local")
         assert ours["tokens"] == tokens
+
+
+def test_openai_server_with_oda(gqa3, tmp_path):
+    """`oda serve` on loopback, driven through the official openai client: completions, streaming, chat, routing
+    records in responses, on /v1/oda/routing and /metrics, and bad requests answered 400 while serving goes on."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    folder = os.path.dirname(gqa3["head"])
+    oda = os.path.join(os.path.dirname(VLLM_PYTHON), "oda")
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([oda, "serve", "--base", folder, "--head", gqa3["head"], "--sinks", str(SINKS),
+                               "--window", str(WINDOW), "--port", str(port), "--", "--max-model-len", "1024",
+                               "--block-size", "32", "--seed", "0"],
+                              env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
+                                   "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+                assert time.time() < deadline, "the server did not come up in 300 s"
+                time.sleep(2)
+        ids = gqa3["long"][5]
+        proc = subprocess.run([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_client.py"), str(port), folder,
+                               json.dumps(ids)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        seen = json.loads(proc.stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    offline = gqa3["oda"]["local"]["outputs"][5]["tokens"][:10]
+    assert seen["completion"]["text"].split() == [f"w{t}" for t in offline]
+    routing = next(iter(seen["completion"]["routing"]["requests"].values()))
+    assert routing["routed_steps"] == 9 and routing["full_calls"] == 0 and routing["policy"] == "local"
+    assert seen["stream"]["text"] == seen["completion"]["text"]
+    assert seen["stream"]["routing"]["routed_steps"] == 9
+    chat = next(iter(seen["chat"]["routing"]["requests"].values()))
+    assert chat["policy"] == "schedule:1:2" and chat["routed_steps"] == 5
+    assert "sometimes" in seen["bad_policy"] and "oda_threshold" in seen["bad_threshold"]
+    assert seen["after_bad"] == seen["completion"]["text"]
+    metrics = dict(line.split() for line in seen["metrics"])
+    assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 9
+    assert 0.0 <= float(metrics["oda_pooled_full_call_rate"]) <= 1.0

@@ -68,6 +68,8 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     folder = os.path.abspath(os.fspath(resolve_base(base)))
     settings = ServingSettings.resolve(head, sinks, window, threshold, policy)
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner
+    if settings.head is not None:
+        check_head_fits(settings.head, folder)
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
     overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
     if vllm_kwargs.get("enforce_eager") is False:
@@ -79,6 +81,23 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
                   worker_cls=worker_class_name())
     kwargs.update(vllm_kwargs)
     return kwargs
+
+
+def check_head_fits(head_folder: str, model_folder: str) -> None:
+    """ValueError unless the head reads hidden states and a vocabulary of the base model's sizes."""
+    with open(os.path.join(head_folder, "config.json")) as f:
+        head = json.load(f)
+    with open(os.path.join(model_folder, "config.json")) as f:
+        base = json.load(f)
+    base = base.get("text_config", base)
+    problems = [f"hidden size: head {head.get('hidden_size')}, base {base.get('hidden_size')}"] \
+        if head.get("hidden_size") != base.get("hidden_size") else []
+    if head.get("base_vocab_size") not in (None, base.get("vocab_size")):
+        problems.append(f"vocab size: head {head['base_vocab_size']}, base {base.get('vocab_size')}")
+    if problems:
+        trained_for = head.get("base_model_name_or_path") or "an unrecorded base model"
+        raise ValueError(f"The recall head in {head_folder} was trained for {trained_for} and does not fit "
+                         f"{model_folder} ({'; '.join(problems)}). Serve it with a head trained for this base.")
 
 
 def worker_class_name() -> str:

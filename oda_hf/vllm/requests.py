@@ -134,7 +134,9 @@ class RequestState:
         return {"policy": self.routing.describe(), "routed_steps": self.routed_steps,
                 "decided_steps": self.decided_steps, "full_calls": self.full_calls,
                 "full_call_rate": self.full_calls / self.decided_steps if self.decided_steps else 0.0,
-                "decisions": list(self.decisions), "scores": list(self.scores)}
+                "decisions": list(self.decisions),
+                # JSON has no NaN: None where the head did not run
+                "scores": [None if math.isnan(score) else score for score in self.scores]}
 
 
 def pooled(requests: dict) -> dict:

