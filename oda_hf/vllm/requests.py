@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 POLICY_KEY = "oda_policy"
 THRESHOLD_KEY = "oda_threshold"
 KNOWN_KEYS = (POLICY_KEY, THRESHOLD_KEY)
@@ -102,16 +100,18 @@ class RequestState:
     """What the worker keeps for one request: its rule, the preceding selected hidden state and its counts."""
 
     routing: RequestRouting
-    prev_hidden: torch.Tensor | None = None
+    prev_hidden: object | None = None  # torch.Tensor [hidden]
     routed_steps: int = 0        # decode steps (every output after the first)
     decided_steps: int = 0       # of those, past sinks + window (where Local differs from Full)
     full_calls: int = 0
     decisions: list = field(default_factory=list)   # per routed step: True = Full
     scores: list = field(default_factory=list)      # per routed step: the head's q (NaN where it did not run)
-    generator: torch.Generator | None = None
+    generator: object | None = None   # torch.Generator of a Random request (torch imported here: `oda --help` stays fast)
 
     def __post_init__(self):
         if self.routing.policy == "random":
+            import torch
+
             self.generator = torch.Generator().manual_seed(self.routing.seed)
 
     def predecided(self, step: int) -> bool | None:
@@ -125,6 +125,8 @@ class RequestState:
         if policy == "local":
             return False
         if policy == "random":
+            import torch
+
             return bool(torch.rand(1, generator=self.generator).item() < self.routing.p)
         if policy == "schedule":
             return (step - 1) % self.routing.period < self.routing.k
