@@ -25,18 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 
 
-def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    import torch
-
-    source = torch.ones(nbytes // 4)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+from decode_throughput import copy_bandwidth  # noqa: E402  (stdlib + torch only; this script's folder is on sys.path)
 
 
 def prompts_from_docs(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -93,7 +82,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = prompts_from_docs(tokenizer, max(batches), args.prompt_tokens)
     config = AutoConfig.from_pretrained(folder)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(threads=1, nbytes=1 << 28)
     model_bytes = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
                       if name.endswith(".safetensors"))   # float32 weights, read once per backbone pass
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -153,8 +142,9 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out + ".tmp", "w") as f:
             f.write(text)
+        os.replace(args.out + ".tmp", args.out)   # a killed run never leaves half a table
 
 
 if __name__ == "__main__":

@@ -99,6 +99,23 @@ class RecallHeadConfig(PretrainedConfig):
         kwargs.setdefault("base_model_name_or_path", name)
         return cls(hidden_size=text.hidden_size, base_vocab_size=text.vocab_size, **kwargs)
 
+    def check_compatible(self, base_config) -> None:
+        """Raise if a head of this config cannot read `base_config`'s hidden states or embeddings."""
+        text = base_config.get_text_config(decoder=True)
+        problems = []
+        if text.hidden_size != self.hidden_size:
+            problems.append(f"hidden size: head {self.hidden_size}, base {text.hidden_size}")
+        if self.base_vocab_size is not None and text.vocab_size != self.base_vocab_size:
+            problems.append(f"vocab size: head {self.base_vocab_size}, base {text.vocab_size}")
+        if problems:
+            trained_for = self.base_model_name_or_path or "an unrecorded base model"
+            base_name = getattr(base_config, "_name_or_path", "") or "this base model"
+            raise ValueError(
+                f"This recall head was trained for {trained_for} and does not fit {base_name} "
+                f"({'; '.join(problems)}). Load a head trained for this base model, or train one with "
+                "OdaTrainer / `oda train-head`."
+            )
+
 
 FINGERPRINT_SAMPLES = 1024  # values read per parameter tensor
 
@@ -256,20 +273,7 @@ class RecallHead(PreTrainedModel):
     # -- compatibility with a base model -----------------------------------------------------------
     def check_compatible(self, base_config) -> None:
         """Raise if this head cannot read the base model's hidden states or embeddings."""
-        text = base_config.get_text_config(decoder=True)
-        problems = []
-        if text.hidden_size != self.config.hidden_size:
-            problems.append(f"hidden size: head {self.config.hidden_size}, base {text.hidden_size}")
-        if self.config.base_vocab_size is not None and text.vocab_size != self.config.base_vocab_size:
-            problems.append(f"vocab size: head {self.config.base_vocab_size}, base {text.vocab_size}")
-        if problems:
-            trained_for = self.config.base_model_name_or_path or "an unrecorded base model"
-            base_name = getattr(base_config, "_name_or_path", "") or "this base model"
-            raise ValueError(
-                f"This recall head was trained for {trained_for} and does not fit {base_name} "
-                f"({'; '.join(problems)}). Load a head trained for this base model, or train one with "
-                "OdaTrainer / `oda train-head`."
-            )
+        self.config.check_compatible(base_config)
 
     def check_base_fingerprint(self, base_model: nn.Module) -> bool:
         """Warn (and return False) if the head records a base fingerprint that `base_model` does not match."""

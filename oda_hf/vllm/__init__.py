@@ -18,8 +18,15 @@ from __future__ import annotations
 import json
 import os
 
-from .requests import FINISHED_KEPT, pooled
-from .requests import POLICY_KEY, THRESHOLD_KEY, RequestRouting, parse_policy, request_routing  # noqa: F401
+from .requests import (  # noqa: F401
+    FINISHED_KEPT,
+    POLICY_KEY,
+    THRESHOLD_KEY,
+    RequestRouting,
+    parse_policy,
+    pooled,
+    request_routing,
+)
 
 ODA_ARCHITECTURES = {
     "LlamaForCausalLM": "OdaLlamaForCausalLM",
@@ -84,20 +91,13 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
 
 
 def check_head_fits(head_folder: str, model_folder: str) -> None:
-    """ValueError unless the head reads hidden states and a vocabulary of the base model's sizes."""
-    with open(os.path.join(head_folder, "config.json")) as f:
-        head = json.load(f)
-    with open(os.path.join(model_folder, "config.json")) as f:
-        base = json.load(f)
-    base = base.get("text_config", base)
-    problems = [f"hidden size: head {head.get('hidden_size')}, base {base.get('hidden_size')}"] \
-        if head.get("hidden_size") != base.get("hidden_size") else []
-    if head.get("base_vocab_size") not in (None, base.get("vocab_size")):
-        problems.append(f"vocab size: head {head['base_vocab_size']}, base {base.get('vocab_size')}")
-    if problems:
-        trained_for = head.get("base_model_name_or_path") or "an unrecorded base model"
-        raise ValueError(f"The recall head in {head_folder} was trained for {trained_for} and does not fit "
-                         f"{model_folder} ({'; '.join(problems)}). Serve it with a head trained for this base.")
+    """ValueError unless the head reads hidden states and a vocabulary of the base model's sizes (before any
+    engine process starts)."""
+    from transformers import AutoConfig
+
+    from ..head import RecallHeadConfig
+
+    RecallHeadConfig.from_pretrained(head_folder).check_compatible(AutoConfig.from_pretrained(model_folder))
 
 
 def worker_class_name() -> str:

@@ -19,7 +19,6 @@ Sampling, logits processors and the scheduler stay vLLM's. The routing state liv
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -71,26 +70,16 @@ class OdaCausalLMMixin:
             if not step.decode[row]:
                 native_rows.append(row)
                 continue
-            state.routed_steps += 1
-            decided = state.predecided(state.routed_steps)
+            decided = state.predecided(state.routed_steps + 1)
             if step.seq_lens[row] <= span:          # Local reads the whole history: Local == Full, nothing to decide
                 native_rows.append(row)
-                state.decisions.append(False)
-                state.scores.append(math.nan)
-                continue
-            state.decided_steps += 1
-            if decided is None:
+                state.record(False, decided_step=False)
+            elif decided is None:                   # the head decides after the Local pass
                 local_rows.append(row)
                 head_rows.append(row)
-            elif decided:
-                native_rows.append(row)
-                state.decisions.append(True)
-                state.scores.append(math.nan)
-                state.full_calls += 1
             else:
-                local_rows.append(row)
-                state.decisions.append(False)
-                state.scores.append(math.nan)
+                (native_rows if decided else local_rows).append(row)
+                state.record(decided)
 
         if local_rows:
             device = input_ids.device
@@ -121,17 +110,13 @@ class OdaCausalLMMixin:
         if any(state.prev_hidden is None for state in states):
             raise RuntimeError("ODA internal error: a decode row has no preceding hidden state (its prefill was not "
                                "seen by this runner).")
-        if next(head.parameters()).device != hidden.device:
-            head.to(hidden.device)
         with torch.no_grad():
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
         thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
         recall = ((scores > thresholds) | ~torch.isfinite(scores)).tolist()
         for state, score, full in zip(states, scores.tolist(), recall):
-            state.decisions.append(bool(full))
-            state.scores.append(float(score))
-            state.full_calls += int(full)
+            state.record(bool(full), score)
         retry_rows = [row for row, full in zip(head_rows, recall) if full]
         if not retry_rows:
             return
@@ -157,16 +142,11 @@ def _swapped_forward_context(attn_metadata: dict, slot_mapping: dict):
 
 
 def _load_head(folder: str, base_config):
-    """The recall head of `folder`, FP32, checked against the served base (hidden and vocabulary size)."""
-    from safetensors.torch import load_file
+    """The recall head of `folder` (FP32, on the CPU until the runner moves it), checked against the served base."""
+    from ..head import RecallHead
 
-    from ..head import RecallHead, RecallHeadConfig
-
-    config = RecallHeadConfig.from_pretrained(folder)
-    RecallHead._check_saved_weights(folder, config)
     with torch.device("cpu"):
-        head = RecallHead(config)
-    head.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=True)
+        head = RecallHead.from_pretrained(folder)
     head.check_compatible(base_config)
     return head.float().eval()
 

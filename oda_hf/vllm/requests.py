@@ -34,9 +34,8 @@ class RequestRouting:
     k: int = 0                      # schedule
     period: int = 1                 # schedule
 
-    def describe(self) -> str:
-        if self.policy == "head":
-            return f"head(threshold={self.threshold:g})"
+    def spec(self) -> str:
+        """The policy as `parse_policy` reads it (the threshold is separate)."""
         if self.policy == "random":
             return f"random:{self.p:g}:{self.seed}"
         if self.policy == "schedule":
@@ -44,7 +43,7 @@ class RequestRouting:
         return self.policy
 
 
-def _number(value, name: str) -> float:
+def number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{name} must be a number; got {value!r}.")
     try:
@@ -71,7 +70,7 @@ def parse_policy(text, threshold: float) -> RequestRouting:
     if kind in ("head", "full", "local") and not args:
         return RequestRouting(policy=kind, threshold=threshold)
     if kind == "random" and 1 <= len(args) <= 2:
-        p = _number(args[0], "random:P")
+        p = number(args[0], "random:P")
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"random:P needs 0 <= P <= 1; got {args[0]!r}.")
         seed = _integer(args[1], "random:P:SEED") if len(args) == 2 else 42
@@ -89,7 +88,7 @@ def request_routing(extra_args: dict | None, default: RequestRouting) -> Request
     extra_args = extra_args or {}
     threshold = default.threshold
     if extra_args.get(THRESHOLD_KEY) is not None:
-        threshold = _number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
+        threshold = number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
     if extra_args.get(POLICY_KEY) is None:
         return RequestRouting(**{**default.__dict__, "threshold": threshold})
     return parse_policy(extra_args[POLICY_KEY], threshold)
@@ -114,6 +113,15 @@ class RequestState:
 
             self.generator = torch.Generator().manual_seed(self.routing.seed)
 
+    def record(self, full: bool, score: float = math.nan, decided_step: bool = True) -> None:
+        """Count one routed step: its decision (True = Full), the head's score if it ran, and whether it was past
+        sinks + window (a step within them takes Local, which equals Full there, and is not decided)."""
+        self.routed_steps += 1
+        self.decided_steps += int(decided_step)
+        self.full_calls += int(full)
+        self.decisions.append(bool(full))
+        self.scores.append(float(score))
+
     def predecided(self, step: int) -> bool | None:
         """The decision for routed `step` (1-based) when it does not depend on the head, else None.
 
@@ -133,7 +141,7 @@ class RequestState:
         return None
 
     def summary(self) -> dict:
-        return {"policy": self.routing.describe(), "routed_steps": self.routed_steps,
+        return {"policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": self.routed_steps,
                 "decided_steps": self.decided_steps, "full_calls": self.full_calls,
                 "full_call_rate": self.full_calls / self.decided_steps if self.decided_steps else 0.0,
                 "decisions": list(self.decisions),

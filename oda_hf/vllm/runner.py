@@ -21,13 +21,12 @@ from .requests import FINISHED_KEPT, RequestState, pooled, request_routing
 class OdaStep:
     """The rows of one scheduled step, in batch order."""
 
-    req_ids: list
     token_start: list          # first token index of each row in the flattened batch
     token_count: list          # scheduled tokens per row
     seq_lens: list             # cached positions per row after this step
     decode: list               # the row is a decode step (one token, past its prompt)
     states: list               # RequestState per row
-    metadata_for: Callable     # rows -> (attention metadata per layer, KV-write slots per layer)
+    metadata_for: Callable | None  # rows -> (attention metadata per layer, KV-write slots per layer)
 
     def tokens_of(self, rows, device) -> torch.Tensor:
         return torch.cat([torch.arange(self.token_start[r], self.token_start[r] + self.token_count[r])
@@ -47,6 +46,8 @@ class OdaRunnerMixin:
         self.oda_finished: OrderedDict[str, dict] = OrderedDict()
         if self.oda_model is not None:
             model.oda_runner_attached = True
+            if model.oda_head is not None:
+                model.oda_head.to(self.device)
 
     def _on_request_state_removed(self, req_id, req_state):
         super()._on_request_state_removed(req_id, req_state)
@@ -56,13 +57,9 @@ class OdaRunnerMixin:
             while len(self.oda_finished) > FINISHED_KEPT:
                 self.oda_finished.popitem(last=False)
 
-    def oda_routing_stats(self, req_ids=None) -> dict:
-        """Counts per request id (finished and running) and the pooled Full-call rate over them."""
-        every = {**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}}
-        return pooled(every if req_ids is None else {rid: every[rid] for rid in req_ids if rid in every})
-
-    def oda_clear_finished(self) -> None:
-        self.oda_finished.clear()
+    def oda_routing_stats(self) -> dict:
+        """Counts per engine request id (finished and running) and the pooled Full-call rate over them."""
+        return pooled({**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}})
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):
@@ -78,7 +75,7 @@ class OdaRunnerMixin:
         starts = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         default = self.oda_model.oda_settings.default_routing
-        req_ids, counts, seq_lens, decode, states = [], [], [], [], []
+        counts, seq_lens, decode, states = [], [], [], []
         for row in range(num_reqs):
             req_id = batch.req_ids[row]
             request = self.requests[req_id]
@@ -87,18 +84,16 @@ class OdaRunnerMixin:
                 extra = getattr(request.sampling_params, "extra_args", None)
                 state = self.oda_states[req_id] = RequestState(request_routing(extra, default))
             count = starts[row + 1] - starts[row]
-            req_ids.append(req_id)
             counts.append(count)
             seq_lens.append(computed[row] + count)
             decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
             states.append(state)
 
-        def metadata_for(rows):
-            return self._oda_metadata_for(rows, starts, positions)
+        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None)
+        step.metadata_for = lambda rows: self._oda_metadata_for(step, rows, positions)
+        return step
 
-        return OdaStep(req_ids, starts[:-1], counts, seq_lens, decode, states, metadata_for)
-
-    def _oda_metadata_for(self, rows, starts, positions):
+    def _oda_metadata_for(self, step: OdaStep, rows, positions):
         """Attention metadata and KV-write slots for the tokens of `rows` only, from each group's own builder."""
         from copy import copy
 
@@ -108,10 +103,10 @@ class OdaRunnerMixin:
         context = get_forward_context()
         num_reqs = self.input_batch.num_reqs
         rows_t = torch.tensor(rows, dtype=torch.long)
-        counts = torch.tensor([starts[r + 1] - starts[r] for r in rows], dtype=torch.int32)
+        counts = torch.tensor([step.token_count[r] for r in rows], dtype=torch.int32)
         query_start_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
         torch.cumsum(counts, 0, out=query_start_cpu[1:])
-        tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+        tokens = step.tokens_of(rows, "cpu")
         seq_lens = self.seq_lens[:num_reqs][rows_t.to(self.seq_lens.device)]
         computed = self.input_batch.num_computed_tokens_cpu_tensor[:num_reqs][rows_t]
         prompt = self.input_batch.num_prompt_tokens_cpu_tensor[:num_reqs][rows_t]

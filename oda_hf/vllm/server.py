@@ -121,6 +121,12 @@ def run_serve(args) -> int:
     return 0
 
 
+def port_number(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be an integer in 1..65535; got {text!r}")
+    return int(text)
+
+
 def add_cli(subparsers) -> None:
     from ..known_models import base_argument, head_argument
 
@@ -135,8 +141,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
     parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
                         "schedule:K:PERIOD (a request may set its own)")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vllm serve")
     parser.set_defaults(func=run_serve)

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .requests import RequestRouting, parse_policy
+from .requests import RequestRouting, number, parse_policy
 
 MAX_SPAN = 2**24
 
@@ -45,11 +45,12 @@ class ServingSettings:
                     saved.update({k: v for k, v in json.load(f).items() if v is not None})
         pick = lambda value, key, fallback: value if value is not None else (  # noqa: E731
             saved.get(key) if saved.get(key) is not None else fallback)
-        sinks, window = int(pick(sinks, "sinks", 4)), int(pick(window, "window", 2048))
-        if not (0 <= sinks <= MAX_SPAN and 1 <= window <= MAX_SPAN):
-            raise ValueError(f"ODA needs 0 <= sinks <= 2^24 and 1 <= window <= 2^24; got sinks={sinks}, "
-                             f"window={window}.")
-        threshold = float(pick(threshold, "threshold", 0.0))
+        sinks, window = pick(sinks, "sinks", 4), pick(window, "window", 2048)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (sinks, window)) or \
+                not (0 <= sinks <= MAX_SPAN and 1 <= window <= MAX_SPAN):
+            raise ValueError(f"ODA needs integers 0 <= sinks <= 2^24 and 1 <= window <= 2^24; got sinks={sinks!r}, "
+                             f"window={window!r}.")
+        threshold = number(pick(threshold, "threshold", 0.0), "threshold")
         policy = pick(policy, "policy", "head" if head is not None else "local")
         default = parse_policy(policy, threshold)
         if default.policy == "head" and head is None:
@@ -59,8 +60,7 @@ class ServingSettings:
 
     def to_override(self) -> dict:
         return {"head": self.head, "sinks": self.sinks, "window": self.window,
-                "threshold": self.default_routing.threshold, "policy": self.default_routing.describe()
-                if self.default_routing.policy != "head" else "head"}
+                "threshold": self.default_routing.threshold, "policy": self.default_routing.spec()}
 
     @classmethod
     def from_override(cls, values: dict | None) -> "ServingSettings":
