@@ -113,3 +113,22 @@ def test_engine_args_refuse_what_would_change_results(tmp_path):
         tmp_path / "small_head")
     with pytest.raises(ValueError, match="trained for another/base and does not fit"):
         engine_args("organism", head=str(tmp_path / "small_head"))
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(sinks=2.5), "integers"), (dict(window=0), "1 <= window"), (dict(sinks=-1), "0 <= sinks"),
+    (dict(window="16"), "integers"), (dict(threshold=float("nan")), "finite"), (dict(policy="often"), "unknown"),
+])
+def test_bad_engine_settings_name_the_value(settings, message):
+    with pytest.raises(ValueError, match=message):
+        engine_args("organism", **{"policy": "local", **settings})
+
+
+def test_oda_serve_rejects_a_bad_port_and_dtype(capsys):
+    from oda_hf.cli import main
+
+    for argv in (["serve", "--base", "organism", "--port", "70000"], ["serve", "--base", "organism", "--dtype", "fp8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+    assert "--port must be an integer in 1..65535" in capsys.readouterr().err
