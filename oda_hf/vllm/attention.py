@@ -5,6 +5,10 @@ the current one included): the sinks ``0 .. min(s, n) - 1`` and the window ``max
 cache already holds every position, so Local gathers those ``s + w`` slots through the row's block table: no second
 copy of the history, and the bytes read equal a ring's.
 
+`paged_local_attention` is the plain PyTorch reference; the served path (`LocalGather`) computes the flat cache
+indices of a step's Local reads once and every layer then takes them with one gather for keys and one for values,
+followed by SDPA with the validity mask.
+
 `oda_attention_impl_class` derives, from the backend's own impl class, one whose `forward` splits the tokens of the
 current step: the rows the step plan marks Local attend here, every other token goes through the backend's native
 kernel with metadata built for that subset. Without a plan (profile runs, warm-up, the Full retry) it is the native
@@ -58,9 +62,37 @@ def paged_local_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     return out.reshape(tokens, num_heads, head_dim).to(query.dtype)
 
 
-def split_paged_cache(backend_name: str, kv_cache: torch.Tensor, isa: str | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value views ``[num_blocks, Hkv, block_size, D]`` of one layer's paged cache, per backend layout."""
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where element ``(block, kv_head, offset, dim)`` of the keys and of the values lies in one layer's flat cache:
+    ``base + block * strides[0] + kv_head * strides[1] + offset * strides[2] + dim * strides[3]``."""
+
+    shape: tuple            # (num_blocks, num_kv_heads, block_size, head_dim)
+    key_strides: tuple
+    value_strides: tuple
+    key_base: int
+    value_base: int
+
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value views ``[num_blocks, Hkv, block_size, D]`` of the cache (no copy)."""
+        flat = kv_cache.view(-1)
+        return (flat.as_strided(self.shape, self.key_strides, self.key_base),
+                flat.as_strided(self.shape, self.value_strides, self.value_base))
+
+    def gather_index(self, blocks: torch.Tensor, offsets: torch.Tensor, values: bool) -> torch.Tensor:
+        """Flat indices ``[T, Hkv, S, D]`` of the positions (`blocks`, `offsets`: ``[T, S]``)."""
+        strides, base = (self.value_strides, self.value_base) if values else (self.key_strides, self.key_base)
+        heads = torch.arange(self.shape[1], device=blocks.device).reshape(1, -1, 1, 1) * strides[1]
+        dims = torch.arange(self.shape[3], device=blocks.device).reshape(1, 1, 1, -1) * strides[3]
+        slots = (blocks * strides[0] + offsets * strides[2]).unsqueeze(1).unsqueeze(-1)
+        return base + slots + heads + dims
+
+
+def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = None) -> PagedLayout:
+    """The layout of one layer's paged cache for `backend_name` (NotImplementedError for one not checked)."""
+    if not kv_cache.is_contiguous():
+        raise NotImplementedError("ODA's Local attention reads a layer's paged cache as one contiguous tensor; this "
+                                  "backend hands it a strided one.")
     if backend_name == "CPU_ATTN":
         # [num_blocks, Hkv, block_size, 2 * D]: per block and head, the keys stored dimension-major ([D, block_size])
         # by the vec/vec16 kernels, then the values token-major ([block_size, D]). Other ISAs (AMX, NEON, ...) pack
@@ -70,18 +102,51 @@ def split_paged_cache(backend_name: str, kv_cache: torch.Tensor, isa: str | None
                 f"ODA's Local attention reads vLLM's CPU KV cache as the vec/vec16 kernels lay it out; this machine "
                 f"uses the {isa!r} kernels, whose key layout it has not been checked against. Serve in float32 "
                 "(which uses vec) or on a machine without AMX.")
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        kv = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1)
-        head_dim = kv.shape[-1]
-        keys = kv[:, :, :block_size].reshape(num_blocks, num_kv_heads, head_dim, block_size).transpose(2, 3)
-        return keys, kv[:, :, block_size:]
+        num_blocks, heads, block, two_dims = kv_cache.shape
+        dim = two_dims // 2
+        per_head = 2 * block * dim
+        return PagedLayout((num_blocks, heads, block, dim), (heads * per_head, per_head, 1, block),
+                           (heads * per_head, per_head, dim, 1), 0, block * dim)
     if backend_name.startswith("FLASH_ATTN") or backend_name in ("TRITON_ATTN", "FLASHINFER"):
         # [2, num_blocks, block_size, Hkv, D] (never run here: no GPU)
-        return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
+        _, num_blocks, block, heads, dim = kv_cache.shape
+        strides = (block * heads * dim, dim, heads * dim, 1)
+        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, num_blocks * block * heads * dim)
     raise NotImplementedError(
         f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend; "
         "serve ODA with CPU_ATTN (vLLM's CPU build) or FLASH_ATTN."
     )
+
+
+@dataclass
+class LocalGather:
+    """The flat cache indices and mask of one step's Local reads, built once and shared by every layer whose cache
+    has the same layout and metadata (all layers of a KV-cache group)."""
+
+    key_index: torch.Tensor     # [T, Hkv, S, D]
+    value_index: torch.Tensor
+    mask: torch.Tensor          # [T, 1, 1, S]: True where the position is read
+
+    @classmethod
+    def build(cls, layout: PagedLayout, block_table: torch.Tensor, seq_lens: torch.Tensor, sinks: int,
+              window: int) -> "LocalGather":
+        positions, valid = local_positions(seq_lens, sinks, window)
+        block_size = layout.shape[2]
+        blocks = block_table.to(torch.long).gather(1, positions // block_size)
+        offsets = positions % block_size
+        return cls(layout.gather_index(blocks, offsets, values=False),
+                   layout.gather_index(blocks, offsets, values=True), valid[:, None, None, :])
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Local attention ``[T, Hq, D]`` for one query token per row; float32 arithmetic, as the reference."""
+        tokens, num_heads, head_dim = query.shape
+        num_kv_heads = self.key_index.shape[1]
+        flat = kv_cache.view(-1)
+        keys, values = flat.take(self.key_index).float(), flat.take(self.value_index).float()
+        grouped = query.float().reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask,
+                                                               scale=scale)
+        return out.reshape(tokens, num_heads, head_dim).to(query.dtype)
 
 
 @dataclass
@@ -94,6 +159,7 @@ class LocalPlan:
     local_rows: torch.Tensor            # their request rows in the step's metadata
     native_tokens: torch.Tensor | None = None  # the other tokens, attended natively ...
     native_metadata: dict = field(default_factory=dict)  # ... with metadata built for them (layer name -> metadata)
+    gathers: dict = field(default_factory=dict)  # (cache shape, metadata id) -> LocalGather, built by the first layer
 
 
 _current_plan: LocalPlan | None = None
@@ -130,12 +196,14 @@ class OdaAttentionImplMixin:
             self.oda_native_forward(layer, query[idx], key[idx], value[idx], kv_cache,
                                     plan.native_metadata[layer.layer_name], sub_out)
             output[idx] = sub_out
-        key_cache, value_cache = split_paged_cache(self.oda_backend_name, kv_cache, getattr(layer, "isa", None))
-        rows = plan.local_rows
-        output[plan.local_tokens] = paged_local_attention(
-            query[plan.local_tokens], key_cache, value_cache, attn_metadata.block_table[rows],
-            attn_metadata.seq_lens[rows], plan.sinks, plan.window, self.scale,
-        ).to(output.dtype)
+        key = (tuple(kv_cache.shape), id(attn_metadata))
+        gather = plan.gathers.get(key)
+        if gather is None:
+            layout = paged_layout(self.oda_backend_name, kv_cache, getattr(layer, "isa", None))
+            rows = plan.local_rows
+            gather = plan.gathers[key] = LocalGather.build(layout, attn_metadata.block_table[rows],
+                                                           attn_metadata.seq_lens[rows], plan.sinks, plan.window)
+        output[plan.local_tokens] = gather.attend(query[plan.local_tokens], kv_cache, self.scale).to(output.dtype)
         return output
 
 
