@@ -31,12 +31,10 @@ class OdaCausalLMMixin:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        from vllm.config import CompilationMode
         from vllm.model_executor.layers.attention import Attention
 
-        if vllm_config.compilation_config.mode != CompilationMode.NONE:
-            raise ValueError("ODA models run eagerly (their decode step branches per row): start the engine with "
-                             "enforce_eager=True (vllm serve --enforce-eager); oda_hf.vllm.engine_args does.")
+        # torch.compile (vLLM's default) is fine: the compiled decoder splits at every attention op, and the routing
+        # (which rows attend Local, the head, the Full retry) runs in Python around and inside those ops.
         self.oda_settings = ServingSettings.from_override(getattr(vllm_config.model_config.hf_config, "oda", None))
         head = None
         if self.oda_settings.head is not None:
