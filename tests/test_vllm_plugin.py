@@ -130,7 +130,8 @@ def gqa3(tmp_path_factory):
     first = results["local"]["outputs"][6]["tokens"]
     extended = long[6] + first + prompt(5, seed=99)
     follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")], [request(extended,
-                      policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW})
+                      policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW},
+                      enable_prefix_caching=True)
     cold = run_vllm(tmp, "stock_cold", folder, [[request(extended, logprobs=1)]], oda=None)
     return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], oda=results,
                 follow=follow, cold=cold[0])
@@ -211,9 +212,12 @@ def test_bad_requests_fail_alone_and_the_engine_keeps_serving(gqa3):
 
 
 def test_extending_an_oda_request_reads_a_cold_full_prefill(gqa3):
-    """Prefix caching is off for ODA, so no decode block written by a Local step is ever reused as prefill KV."""
+    """Prefix caching on: the extension reuses the earlier prompt's blocks (written by its Full prefill) and none of
+    the blocks its Local decode steps wrote, so it gets what a cold Full prefill gives."""
     ours = gqa3["follow"][1]["outputs"][0]
     cold = gqa3["cold"]["outputs"][0]
+    prompt_blocks = len(gqa3["long"][6]) // 32 * 32          # 150-token prompt: 4 full blocks of 32
+    assert ours["num_cached_tokens"] == prompt_blocks         # without the cap: 160, a block of Local decode KV
     assert ours["tokens"] == cold["tokens"]
     assert max(abs(a - b) for a, b in zip(ours["logprobs"], cold["logprobs"])) < 1e-4
 

@@ -103,8 +103,6 @@ def test_local_positions_read_each_position_once():
 def test_engine_args_refuse_what_would_change_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         engine_args("organism", head=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="prefix caching"):
-        engine_args("organism", policy="local", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="needs a recall head"):
         engine_args("organism", policy="head")
     from oda_hf import RecallHead, RecallHeadConfig

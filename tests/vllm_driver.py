@@ -44,6 +44,7 @@ def main(spec_path: str, out_path: str) -> None:
             if completion.logprobs is not None:
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
             rows.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                         "num_cached_tokens": out.num_cached_tokens,
                          "routing": routing.get(out.request_id)})
         results.append({"outputs": rows})
     with open(out_path, "w") as f:

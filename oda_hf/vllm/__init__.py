@@ -79,10 +79,7 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         check_head_fits(settings.head, folder)
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
     overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
-    if vllm_kwargs.get("enable_prefix_caching"):
-        raise ValueError("ODA serves without prefix caching: vLLM would share decode blocks whose KV came from "
-                         "Local steps as if a Full prefill had written them. Leave enable_prefix_caching off.")
-    kwargs = dict(model=folder, hf_overrides=overrides, enable_prefix_caching=False,
+    kwargs = dict(model=folder, hf_overrides=overrides,
                   worker_cls=worker_class_name())
     kwargs.update(vllm_kwargs)
     return kwargs

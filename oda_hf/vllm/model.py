@@ -46,6 +46,7 @@ class OdaCausalLMMixin:
             if isinstance(module, Attention):
                 backend = module.attn_backend.get_name()
                 module.impl.__class__ = oda_attention_impl_class(type(module.impl), backend)
+                module.__class__ = _prompt_only_caching_class(type(module))
 
     # -- the routed step --------------------------------------------------------------------------------
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, oda_step=None, **kwargs):
@@ -137,6 +138,23 @@ def _swapped_forward_context(attn_metadata: dict, slot_mapping: dict):
         yield
     finally:
         context.attn_metadata, context.slot_mapping = saved
+
+
+_ATTENTION_CLASSES: dict[type, type] = {}
+
+
+def _prompt_only_caching_class(attention_class: type) -> type:
+    """A one-base subclass of vLLM's `Attention` whose KV-cache spec allows prefix caching of prompt blocks only
+    (`kv_cache.PromptOnlyFullAttentionSpec`)."""
+    from .kv_cache import prompt_only_spec
+
+    if attention_class not in _ATTENTION_CLASSES:
+        def get_kv_cache_spec(self, vllm_config):
+            return prompt_only_spec(attention_class.get_kv_cache_spec(self, vllm_config))
+
+        _ATTENTION_CLASSES[attention_class] = type(f"Oda{attention_class.__name__}", (attention_class,), {
+            "get_kv_cache_spec": get_kv_cache_spec, "oda_prompt_only_caching": True})
+    return _ATTENTION_CLASSES[attention_class]
 
 
 def _load_head(folder: str, base_config):

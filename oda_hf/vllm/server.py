@@ -91,7 +91,7 @@ def serve_argv(args, passthrough: list[str]) -> list[str]:
     kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
                          policy=args.policy)
     return ["vllm.entrypoints.openai.api_server", "--model", kwargs["model"], "--hf-overrides", json.dumps(kwargs["hf_overrides"]),
-            "--no-enable-prefix-caching", "--worker-cls", kwargs["worker_cls"],
+            "--worker-cls", kwargs["worker_cls"],
             "--middleware", "oda_hf.vllm.server.oda_routing_middleware", "--dtype", args.dtype,
             "--host", args.host, "--port", str(args.port), *passthrough]
 
