@@ -114,8 +114,9 @@ def test_engine_args_refuse_what_would_change_results(tmp_path):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(sinks=2.5), "integers"), (dict(window=0), "1 <= window"), (dict(sinks=-1), "0 <= sinks"),
-    (dict(window="16"), "integers"), (dict(threshold=float("nan")), "finite"), (dict(policy="often"), "unknown"),
+    (dict(sinks=2.5), "`sinks` must be an integer"), (dict(window=0), r"`window` must be an integer in \[1"),
+    (dict(sinks=-1), r"`sinks` must be an integer in \[0"), (dict(window="16"), "`window` must be an integer"),
+    (dict(threshold=float("nan")), "finite"), (dict(policy="often"), "unknown"),
 ])
 def test_bad_engine_settings_name_the_value(settings, message):
     with pytest.raises(ValueError, match=message):

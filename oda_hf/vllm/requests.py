@@ -43,7 +43,7 @@ class RequestRouting:
         return self.policy
 
 
-def number(value, name: str) -> float:
+def _number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{name} must be a number; got {value!r}.")
     try:
@@ -70,7 +70,7 @@ def parse_policy(text, threshold: float) -> RequestRouting:
     if kind in ("head", "full", "local") and not args:
         return RequestRouting(policy=kind, threshold=threshold)
     if kind == "random" and 1 <= len(args) <= 2:
-        p = number(args[0], "random:P")
+        p = _number(args[0], "random:P")
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"random:P needs 0 <= P <= 1; got {args[0]!r}.")
         seed = _integer(args[1], "random:P:SEED") if len(args) == 2 else 42
@@ -88,7 +88,7 @@ def request_routing(extra_args: dict | None, default: RequestRouting) -> Request
     extra_args = extra_args or {}
     threshold = default.threshold
     if extra_args.get(THRESHOLD_KEY) is not None:
-        threshold = number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
+        threshold = _number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
     if extra_args.get(POLICY_KEY) is None:
         return RequestRouting(**{**default.__dict__, "threshold": threshold})
     return parse_policy(extra_args[POLICY_KEY], threshold)

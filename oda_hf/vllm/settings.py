@@ -6,13 +6,10 @@ the model in its own worker process from that config alone.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-from .requests import RequestRouting, number, parse_policy
-
-MAX_SPAN = 2**24
+from .requests import RequestRouting, parse_policy
 
 
 @dataclass(frozen=True)
@@ -25,9 +22,12 @@ class ServingSettings:
     @classmethod
     def resolve(cls, head: str | None = None, sinks: int | None = None, window: int | None = None,
                 threshold: float | None = None, policy: str | None = None) -> "ServingSettings":
-        """Explicit values over the head folder's saved ``oda_config.json``, over its training geometry, over
-        s = 4, w = 2048, threshold 0; policy ``head`` with a head and ``local`` without one."""
-        saved: dict = {}
+        """Routing defaults as `OdaForCausalLM.from_pretrained` takes them (the head folder's ``oda_config.json``,
+        else the geometry the head was trained with, else `OdaConfig`'s defaults), with the explicit values over
+        them, validated by `OdaConfig`. Policy: ``head`` with a head, ``local`` without one."""
+        from ..config import ODA_CONFIG_NAME, OdaConfig
+
+        routing = OdaConfig()
         if head is not None:
             from ..known_models import resolve_head
             from ..loading import check_head_folder, read_config_json
@@ -37,26 +37,20 @@ class ServingSettings:
                 raise FileNotFoundError(f"The recall head folder {head} does not exist: give a folder written by "
                                         "save_pretrained (or a shipped head: smollm2, organism).")
             check_head_folder(head)
-            trained = read_config_json(head)
-            saved = {key: trained.get(key) for key in ("sinks", "window")}
-            path = os.path.join(head, "oda_config.json")
-            if os.path.isfile(path):
-                with open(path) as f:
-                    saved.update({k: v for k, v in json.load(f).items() if v is not None})
-        pick = lambda value, key, fallback: value if value is not None else (  # noqa: E731
-            saved.get(key) if saved.get(key) is not None else fallback)
-        sinks, window = pick(sinks, "sinks", 4), pick(window, "window", 2048)
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in (sinks, window)) or \
-                not (0 <= sinks <= MAX_SPAN and 1 <= window <= MAX_SPAN):
-            raise ValueError(f"ODA needs integers 0 <= sinks <= 2^24 and 1 <= window <= 2^24; got sinks={sinks!r}, "
-                             f"window={window!r}.")
-        threshold = number(pick(threshold, "threshold", 0.0), "threshold")
-        policy = pick(policy, "policy", "head" if head is not None else "local")
-        default = parse_policy(policy, threshold)
+            saved = os.path.join(head, ODA_CONFIG_NAME)
+            trained = {key: value for key, value in read_config_json(head).items()
+                       if key in ("sinks", "window") and value is not None}
+            routing = OdaConfig.from_json_file(saved) if os.path.isfile(saved) else OdaConfig(**trained)
+        explicit = {key: value for key, value in (("sinks", sinks), ("window", window), ("threshold", threshold))
+                    if value is not None}
+        routing = OdaConfig.from_kwargs(routing, **explicit)
+        if policy is None:
+            policy = routing.policy if head is not None else "local"
+        default = parse_policy(policy, routing.threshold)
         if default.policy == "head" and head is None:
             raise ValueError("policy 'head' needs a recall head: pass head=<folder> (or policy full/local/random/"
                              "schedule for a baseline without one).")
-        return cls(head=head, sinks=sinks, window=window, default_routing=default)
+        return cls(head=head, sinks=routing.sinks, window=routing.window, default_routing=default)
 
     def to_override(self) -> dict:
         return {"head": self.head, "sinks": self.sinks, "window": self.window,
