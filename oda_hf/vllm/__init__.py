@@ -79,8 +79,9 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         check_head_fits(settings.head, folder)
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
     overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
-    kwargs = dict(model=folder, hf_overrides=overrides,
-                  worker_cls=worker_class_name())
+    kwargs = dict(model=folder, hf_overrides=overrides, worker_cls=worker_class_name())
+    if not kwargs["worker_cls"].endswith("OdaCPUWorker"):
+        kwargs["enforce_eager"] = True   # no CUDA graphs for ODA's routed step (see model.py); never run here
     kwargs.update(vllm_kwargs)
     return kwargs
 

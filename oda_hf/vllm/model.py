@@ -31,10 +31,16 @@ class OdaCausalLMMixin:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        from vllm.config import CUDAGraphMode
         from vllm.model_executor.layers.attention import Attention
 
         # torch.compile (vLLM's default) is fine: the compiled decoder splits at every attention op, and the routing
-        # (which rows attend Local, the head, the Full retry) runs in Python around and inside those ops.
+        # (which rows attend Local, the head, the Full retry) runs in Python around and inside those ops. CUDA graphs
+        # are not: a graph replays the step's shapes, and the Full retry is a pass over a sub-batch of another size.
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        if graphs is not None and graphs != CUDAGraphMode.NONE:
+            raise ValueError(f"ODA's routed step cannot run inside CUDA graphs (cudagraph_mode={graphs.name}): start "
+                             "the engine with enforce_eager=True (oda_hf.vllm.engine_args does on GPUs).")
         self.oda_settings = ServingSettings.from_override(getattr(vllm_config.model_config.hf_config, "oda", None))
         head = None
         if self.oda_settings.head is not None:
