@@ -33,13 +33,19 @@ VOCAB = 128
 ENGINE = dict(dtype="float32", max_model_len=1024, block_size=32, seed=0, max_num_seqs=16)
 
 
-def build_model(folder, heads: int, kv_heads: int, seed: int = 0):
+FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+
+
+def build_model(folder, heads: int, kv_heads: int, seed: int = 0, family: str = "llama"):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    config_class, model_class = FAMILIES[family]
+    config = config_class(
         vocab_size=VOCAB, hidden_size=32 * heads, intermediate_size=96, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=32, num_hidden_layers=2, max_position_embeddings=1024,
         pad_token_id=0, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)   # sharper logits: greedy paths that fp noise does not flip
     model.save_pretrained(folder)
@@ -232,6 +238,25 @@ def test_always_local_at_other_gqa_ratios(tmp_path, heads, kv_heads):
     for ids, ours in zip(prompts, results[0]["outputs"]):
         tokens, _ = hf_generate(model, None, ids, 12, "local")
         assert ours["tokens"] == tokens
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_with_chunked_prefill(tmp_path, family):
+    """The Qwen2 and Qwen3 classes, with a token budget of 32 per step so that 70- and 150-token prompts are prefilled
+    in chunks beside other rows' decode steps: Local and head routing equal the Transformers path."""
+    folder = str(tmp_path / "model")
+    model = build_model(folder, heads=4, kv_heads=2, seed=2, family=family)
+    head = os.path.join(folder, "head")
+    prompts = [prompt(n, seed=n + 7) for n in (SPAN + 1, 70, 150)]
+    batch = [request(ids, policy=policy) for ids in prompts for policy in ("local", "head")]
+    results = run_vllm(tmp_path, "oda", folder, [batch], oda={"head": head, "sinks": SINKS, "window": WINDOW},
+                       max_num_batched_tokens=32, enable_chunked_prefill=True)
+    for req, ours in zip(batch, results[0]["outputs"]):
+        policy = req["extra_args"]["oda_policy"]
+        tokens, routing = hf_generate(model, head if policy == "head" else None, req["prompt"], 12, policy)
+        assert ours["tokens"] == tokens, (family, len(req["prompt"]), policy)
+        if policy == "head":
+            assert ours["routing"]["decisions"] == routing.decisions[0].tolist()
 
 
 def test_openai_server_with_oda(gqa3, tmp_path):
