@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .files import OutputLocked
 from .cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
 from .known_models import base_argument, head_argument
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except UsageError as err:
+    except (UsageError, OutputLocked) as err:
         print(f"oda {args.command}: error: {err}", file=sys.stderr)
         return 2
 

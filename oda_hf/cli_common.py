@@ -83,8 +83,13 @@ def load_tokenizer(tokenizer: str | None, base: str):
 
     name, flag = (tokenizer, "--tokenizer") if tokenizer else (base, "--base (its tokenizer)")
 
+    from .loading import resolve_local_folder
+
     require_model_source(flag, name)
     with user_input(flag, "give --tokenizer with a tokenizer folder or hub id"):
+        # The hub check first: an id that is neither cached nor reachable fails at once, not after a minute of
+        # the tokenizer loader's retries.
+        resolve_local_folder(name, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(name)
     if len(tokenizer) <= 1:
         raise UsageError(f"{flag}: {name} holds no tokenizer (its vocabulary is empty); give --tokenizer with a "

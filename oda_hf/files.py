@@ -1,0 +1,162 @@
+"""The one way oda_hf writes a file that something later reads: complete or not at all.
+
+A file is written under a temporary name in its own folder, flushed to disk, then renamed over the final
+name (`os.replace` is atomic on POSIX), so a kill -9 at any moment leaves either the old file, the new
+one, or a stray ``.*.partial-*`` temporary that nothing reads. Folders of several files (a saved head:
+``config.json`` + ``model.safetensors``) are published by `publish_files` with a *marker* file moved last
+and removed first, so a reader that requires the marker never sees a mix of old and new. `output_lock`
+keeps two processes from writing into the same output folder. No torch import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+
+__all__ = ["atomic_path", "atomic_write", "write_json", "write_text", "publish_files", "output_lock",
+           "OutputLocked"]
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on folders; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary path beside `path`; when the block ends normally it is synced and renamed to `path`.
+
+    For writers that want a file name (safetensors, matplotlib, zip extraction). On an exception the
+    temporary is removed and `path` is untouched."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", dir=folder or ".")
+    os.close(fd)
+    try:
+        yield temporary
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    _fsync_folder(folder)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8"):
+    """``with atomic_write(path) as f: f.write(...)``: `path` appears only once the block completed."""
+    if "b" in mode:
+        encoding = None
+    with atomic_path(path) as temporary, open(temporary, mode, encoding=encoding) as f:
+        yield f
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def write_json(path: str | os.PathLike, value, indent: int | None = 1, **dump_kwargs) -> None:
+    with atomic_write(path) as f:
+        json.dump(value, f, indent=indent, **dump_kwargs)
+        f.write("\n")
+
+
+def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker: str | None = None) -> list[str]:
+    """Move every file of the folder `staging` into `target` (created if needed), then remove `staging`.
+
+    `marker` (e.g. ``config.json``): the file a reader requires. It is removed from `target` before the
+    other files move and moved in last, so `target` holds either the complete old set, no marker (a reader
+    refuses it), or the complete new set. Returns the names moved."""
+    staging, target = os.fspath(staging), os.fspath(target)
+    os.makedirs(target, exist_ok=True)
+    names = sorted(os.listdir(staging))
+    if marker is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(target, marker))
+        _fsync_folder(target)
+        names = [name for name in names if name != marker] + ([marker] if marker in names else [])
+    for name in names:
+        source = os.path.join(staging, name)
+        if os.path.isdir(source):
+            destination = os.path.join(target, name)
+            if os.path.isdir(destination):
+                shutil.rmtree(destination)
+            os.replace(source, destination)
+            continue
+        with open(source, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(source, os.path.join(target, name))
+        if name == marker:
+            _fsync_folder(target)
+    _fsync_folder(target)
+    shutil.rmtree(staging, ignore_errors=True)
+    return names
+
+
+def staging_folder(target: str | os.PathLike) -> str:
+    """A fresh empty folder beside `target` (same file system, so `publish_files` renames)."""
+    target = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
+
+
+class OutputLocked(ValueError):
+    """Another process holds the lock of an output folder."""
+
+
+@contextlib.contextmanager
+def output_lock(folder: str | os.PathLike, what: str = "this output folder") -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (a ``.oda.lock`` file in it) for the block; refuse at once if another
+    process holds it. The OS drops the lock when the holder dies, so a killed run never leaves it stuck."""
+    import fcntl
+
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    handle = open(os.path.join(folder, ".oda.lock"), "a+")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise OutputLocked(f"{folder} is in use by {holder}: wait for it to finish, or write {what} to another "
+                               "folder.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+def remove_stale_partials(folder: str | os.PathLike, names: Sequence[str] | None = None) -> None:
+    """Delete ``.*.partial-*`` leftovers of a killed writer in `folder` (only those whose final name is in
+    `names`, when given). Safe to call only while holding the folder's `output_lock`."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return
+    for entry in os.listdir(folder):
+        if entry.startswith(".") and ".partial-" in entry:
+            final = entry[1:].split(".partial-", 1)[0]
+            if names is None or final in names:
+                path = os.path.join(folder, entry)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)

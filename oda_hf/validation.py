@@ -1,0 +1,135 @@
+"""One validation layer for the values a user gives, on the command line or through the Python API.
+
+Every check raises `ValueError` (a value out of range, not finite, not whole) or `TypeError` (a value of the
+wrong kind) with one line that names the value and what is accepted; nothing is coerced silently (2.9 is not
+an integer, NaN is not a temperature, ``random::0.5`` is not a policy). `argument` turns a check into an
+argparse ``type=`` so the CLI reports the same text as ``oda <command>: error: argument --flag: ...`` with
+exit status 2. Kept free of torch imports: building the parser stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["integer", "number", "probability", "argument", "PolicySpecText", "parse_policy_text", "POLICY_HELP"]
+
+
+def _bounds(minimum, maximum, exclusive_minimum: bool = False) -> str:
+    low = "" if minimum is None else (f"> {minimum:g}" if exclusive_minimum else f">= {minimum:g}")
+    high = "" if maximum is None else f"<= {maximum:g}"
+    if low and high:
+        return f" {low} and {high}"
+    return f" {low or high}" if (low or high) else ""
+
+
+def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, meaning: str = "") -> int:
+    """`value` as an int in [minimum, maximum]: numpy/torch integers are accepted, bools, floats and strings are not."""
+    what = f"`{name}` must be an integer{_bounds(minimum, maximum)}" + (f" ({meaning})" if meaning else "")
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).")
+    value = value.__index__()
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{what}; got {value}.")
+    return value
+
+
+def number(name: str, value, minimum: float | None = None, maximum: float | None = None,
+           exclusive_minimum: bool = False, finite: bool = True, meaning: str = "") -> float:
+    """`value` as a float in range; NaN is always refused, infinities unless ``finite=False``."""
+    what = (f"`{name}` must be a {'finite ' if finite else ''}number{_bounds(minimum, maximum, exclusive_minimum)}"
+            + (f" ({meaning})" if meaning else ""))
+    if isinstance(value, bool) or isinstance(value, str):
+        raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).") from None
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{what}; got {value}.")
+    if minimum is not None and (value <= minimum if exclusive_minimum else value < minimum):
+        raise ValueError(f"{what}; got {value:g}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{what}; got {value:g}.")
+    return value
+
+
+def probability(name: str, value) -> float:
+    return number(name, value, minimum=0.0, maximum=1.0, meaning="a probability")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"must be an integer; got {text!r}.") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"must be a number; got {text!r}.") from None
+
+
+def argument(check: Callable, name: str = "value", **bounds) -> Callable[[str], object]:
+    """An argparse ``type=`` that parses the text (int for `integer`, float otherwise) and applies `check`.
+
+    The error reads ``argument --flag: must be an integer >= 1; got 0.`` (argparse adds the flag)."""
+    parse = _parse_int if check is integer else _parse_float
+
+    def convert(text: str):
+        try:
+            return check(name, parse(text), **bounds)
+        except (TypeError, ValueError) as err:
+            message = str(err)
+            raise argparse.ArgumentTypeError(message.replace(f"`{name}` ", "", 1)) from None
+
+    convert.__name__ = check.__name__
+    return convert
+
+
+# -- routing policies as text: the CLI's --policy and vLLM's per-request `oda_policy` --------------------
+
+POLICY_HELP = "head, full, local, random:P[:SEED] or schedule:K:PERIOD"
+
+
+@dataclass(frozen=True)
+class PolicySpecText:
+    """A parsed policy text: `kind` and its parameters (None where the kind has none)."""
+
+    kind: str
+    p: float | None = None
+    seed: int | None = None
+    k: int | None = None
+    period: int | None = None
+
+
+def parse_policy_text(text) -> PolicySpecText:
+    """'head', 'full', 'local', 'random:P[:SEED]' (SEED default 42) or 'schedule:K:PERIOD', strictly:
+    empty fields (``random::0.5``, ``head:``), fractional counts (``schedule:2.9:3``) and NaN are errors."""
+    if not isinstance(text, str):
+        raise TypeError(f"a policy must be a string ({POLICY_HELP}); got {text!r}.")
+    kind, *fields = text.strip().split(":")
+    unknown = ValueError(f"unknown policy {text!r}: use {POLICY_HELP}.")
+    if kind in ("head", "full", "local"):
+        if fields:
+            raise unknown
+        return PolicySpecText(kind)
+    if kind == "random" and 1 <= len(fields) <= 2:
+        try:
+            p = probability("random:P", _parse_float(fields[0]))
+            seed = integer("random:P:SEED", _parse_int(fields[1]), minimum=0) if len(fields) == 2 else 42
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bad policy {text!r}: {err}") from None
+        return PolicySpecText("random", p=p, seed=seed)
+    if kind == "schedule" and len(fields) == 2:
+        try:
+            period = integer("schedule:K:PERIOD", _parse_int(fields[1]), minimum=1)
+            k = integer("schedule:K", _parse_int(fields[0]), minimum=0, maximum=period)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bad policy {text!r}: {err}") from None
+        return PolicySpecText("schedule", k=k, period=period)
+    raise unknown
