@@ -10,37 +10,38 @@ import argparse
 import sys
 
 from .files import OutputLocked
-from .cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
+from .cli_common import UsageError, check_context, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
 from .known_models import base_argument, head_argument
+from .validation import MAX_SPAN, argument, integer, number, parse_policy_text
 
 
 def parse_policy(text: str):
-    """'head', 'full', 'local', 'random:P[:SEED]' or 'schedule:K:PERIOD'."""
-    kind, _, rest = text.partition(":")
-    args = [a for a in rest.split(":") if a]
+    """argparse type for --policy: 'head', 'full', 'local', 'random:P[:SEED]' or 'schedule:K:PERIOD'."""
     try:
-        if kind in ("random", "schedule"):
-            from .policies import RandomPolicy, SchedulePolicy
-        if kind == "random" and 1 <= len(args) <= 2:
-            return RandomPolicy(float(args[0]), int(args[1]) if len(args) > 1 else 42)
-        if kind == "schedule" and len(args) == 2:
-            return SchedulePolicy(int(args[0]), int(args[1]))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-    if kind in ("head", "full", "local") and not args:
-        return kind
-    raise argparse.ArgumentTypeError(
-        f"unknown policy {text!r}: use head, full, local, random:P[:SEED] or schedule:K:PERIOD"
-    )
+        spec = parse_policy_text(text)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if spec.kind == "random":
+        from .policies import RandomPolicy
+
+        return RandomPolicy(spec.p, spec.seed)
+    if spec.kind == "schedule":
+        from .policies import SchedulePolicy
+
+        return SchedulePolicy(spec.k, spec.period)
+    return spec.kind
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2)")
     parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token")
-    parser.add_argument("--threshold", type=float, default=None, help="head threshold theta (default: the head's saved one, else 0)")
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0, maximum=MAX_SPAN), default=None,
+                        help="sink positions s (default: the head's or 4)")
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1, maximum=MAX_SPAN), default=None,
+                        help="recent window w incl. current token")
+    parser.add_argument("--threshold", type=argument(number, "threshold"), default=None,
+                        help="head threshold theta (default: the head's saved one, else 0)")
     parser.add_argument("--policy", type=parse_policy, default=None,
                         help="head | full | local | random:P[:SEED] | schedule:K:PERIOD (default: head if --head)")
     parser.add_argument("--dtype", type=dtype_name, default="float32",
@@ -87,6 +88,7 @@ def run_generate(args) -> int:
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     if inputs["input_ids"].shape[1] == 0:
         raise UsageError("the prompt is empty (it tokenizes to no token); give --prompt or text on standard input.")
+    check_context(model.config, inputs["input_ids"].shape[1], args.max_new_tokens)
     # The last output comes from query position L + N - 1 (prefill's output is position L).
     window_source = "--window" if args.window is not None else "the head's window" if args.head else \
         "the default window"
@@ -114,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate = subparsers.add_parser("generate", help="generate text with ODA routing and print a routing summary")
     add_routing_arguments(generate)
     generate.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
-    generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=128)
+    generate.add_argument("--temperature", type=argument(number, "temperature", minimum=0.0), default=0.0,
+                          help="0 = greedy")
+    generate.add_argument("--seed", type=argument(integer, "seed", minimum=0), default=0)
     generate.set_defaults(func=run_generate)
 
     for add_cli in _subcommands():

@@ -108,3 +108,20 @@ def data_tokenizer(tokenizer: str | None, base: str):
         print(f"[oda] no tokenizer from {err}; token-id records need none, text records need --tokenizer.",
               file=sys.stderr)
         return None
+
+
+def context_limit(config) -> int | None:
+    """The model's ``max_position_embeddings`` (of its text config for multimodal configs), or None."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_context(config, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> None:
+    """Refuse a request past the model's context (transformers only warns, and the output past it is garbage)."""
+    limit = context_limit(config)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise UsageError(
+            f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new_tokens} that is "
+            f"{prompt_tokens + max_new_tokens} positions, past the model's max_position_embeddings={limit}. "
+            f"Shorten it to at most {max(limit - max_new_tokens, 0)} tokens or lower --max-new-tokens.")

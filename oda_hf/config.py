@@ -3,33 +3,25 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
 from transformers.utils import logging
 
 from .policies import RoutingPolicy, resolve_policy
+from .validation import MAX_SPAN, integer, number
 
 logger = logging.get_logger(__name__)
 
 ODA_CONFIG_NAME = "oda_config.json"
 ROUTING_KEYS = ("sinks", "window", "threshold", "policy")
-# 2**24 = 16,777,216 positions: above every released model's context (the longest, 10M tokens), far below
-# where a typo such as window=1e9 starts; the Local workspace is sized by the request, not by this bound.
-MAX_SPAN = 2**24
 
 
 def _check_count(name: str, value, minimum: int, meaning: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"`{name}` must be an integer >= {minimum} ({meaning}); got {value!r}.")
-    value = value.__index__()  # numpy / torch integers become plain ints
-    if not minimum <= value <= MAX_SPAN:
-        raise ValueError(
-            f"`{name}` must be an integer in [{minimum}, {MAX_SPAN}] ({meaning}); got {value!r}. "
-            f"For attention over the whole history use policy='full'."
-        )
-    return value
+    try:
+        return integer(name, value, minimum=minimum, maximum=MAX_SPAN, meaning=meaning)
+    except TypeError as err:  # a float window (2048.0, 2.9) is a value error to the config's users
+        raise ValueError(str(err)) from None
 
 
 @dataclass
@@ -56,10 +48,10 @@ class OdaConfig:
     def validate(self) -> None:
         self.sinks = _check_count("sinks", self.sinks, 0, "number of initial positions")
         self.window = _check_count("window", self.window, 1, "recent positions, current token included")
-        if (isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float))
-                or not math.isfinite(self.threshold)):
-            raise ValueError(f"`threshold` must be a finite number; got {self.threshold!r}.")
-        self.threshold = float(self.threshold)
+        try:
+            self.threshold = number("threshold", self.threshold)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
         if not isinstance(self.policy, (str, RoutingPolicy)):
             raise ValueError(
                 f"`policy` must be 'head', 'full', 'local' or a RoutingPolicy instance; got {type(self.policy).__name__}."

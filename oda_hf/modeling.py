@@ -156,9 +156,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
 
     def set_routing(self, **changes) -> None:
         """Change routing knobs (``sinks``, ``window``, ``threshold``, ``policy``) for later requests."""
-        self.oda_config = OdaConfig.from_kwargs(self.oda_config, **changes)
-        if self.oda_config.routing_policy().uses_head and self.recall_head is None:
+        config = OdaConfig.from_kwargs(self.oda_config, **changes)
+        if config.routing_policy().uses_head and self.recall_head is None:
+            # Checked before assigning: a refused change leaves the model as it was.
             raise ValueError("policy='head' needs a recall head; call set_head() first.")
+        self.oda_config = config
 
     # -- what GenerationMixin expects of a model ---------------------------------------------------
     def __getattr__(self, name: str):
@@ -289,6 +291,16 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         update = is_eos.any(dim=1) & ((known < 0) | (first_eos < known))
         known[update] = first_eos[update]
 
+    def _check_cache_geometry(self, cache: OdaCache) -> None:
+        """A cache keeps the Local ring of the sinks/window it was made with: refuse to route it with others
+        (set_routing after new_cache(), or a reused past_key_values) instead of silently using the old ones."""
+        config = self.oda_config
+        if (cache.sinks, cache.window) != (config.sinks, config.window):
+            raise ValueError(
+                f"This OdaCache was made for sinks={cache.sinks}, window={cache.window}, but the model now routes "
+                f"with sinks={config.sinks}, window={config.window}. Start a new cache (omit past_key_values or "
+                f"model.new_cache()) or set_routing(sinks={cache.sinks}, window={cache.window}) to continue it.")
+
     # -- the routed step ---------------------------------------------------------------------------
     def forward(
         self,
@@ -324,6 +336,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if not isinstance(past_key_values, OdaCache):
             raise TypeError(f"OdaForCausalLM needs an OdaCache (model.new_cache()); got {type(past_key_values).__name__}.")
         cache = past_key_values
+        self._check_cache_geometry(cache)
         batch_size, num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         prefill = cache.get_seq_length() == 0 or num_tokens > 1
         if cache.get_seq_length() == 0 or self._generate_call_starting:

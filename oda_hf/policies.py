@@ -7,10 +7,11 @@ schedules for the runtime benchmark) comparable with the learned head.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 import torch
+
+from .validation import integer, probability
 
 
 class RoutingPolicy(ABC):
@@ -118,9 +119,9 @@ class RandomPolicy(RoutingPolicy):
     host_draws = True
 
     def __init__(self, p: float, seed: int = 42, run_head: bool = False):
-        if not (0.0 <= float(p) <= 1.0) or math.isnan(float(p)):
-            raise ValueError(f"RandomPolicy needs a probability 0 <= p <= 1; got p={p}.")
-        self.p, self.seed, self.run_head = float(p), int(seed), run_head
+        self.p = probability("RandomPolicy p", p)
+        self.seed = integer("RandomPolicy seed", seed, minimum=0)
+        self.run_head = run_head
         self.reset()
 
     def reset(self) -> None:
@@ -140,9 +141,10 @@ class SchedulePolicy(RoutingPolicy):
     fast_path = True
 
     def __init__(self, k: int, period: int, run_head: bool = False):
-        if int(period) < 1 or not (0 <= int(k) <= int(period)):
-            raise ValueError(f"SchedulePolicy needs period >= 1 and 0 <= k <= period; got k={k}, period={period}.")
-        self.k, self.period, self.run_head = int(k), int(period), run_head
+        # Counts, not rounded: SchedulePolicy(2.9, 3.5) is an error, not (2, 3).
+        self.period = integer("SchedulePolicy period", period, minimum=1)
+        self.k = integer("SchedulePolicy k", k, minimum=0, maximum=self.period)
+        self.run_head = run_head
 
     @property
     def rate(self) -> float:

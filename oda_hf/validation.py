@@ -14,12 +14,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["integer", "number", "probability", "argument", "PolicySpecText", "parse_policy_text", "POLICY_HELP"]
+# 2**24 = 16,777,216 positions: above every released model's context (the longest, 10M tokens), far below
+# where a typo such as window=1e9 starts; the Local workspace is sized by the request, not by this bound.
+MAX_SPAN = 2**24
+
+__all__ = ["MAX_SPAN", "integer", "number", "probability", "argument", "PolicySpecText", "parse_policy_text", "POLICY_HELP"]
+
+
+def _show(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _bounds(minimum, maximum, exclusive_minimum: bool = False) -> str:
-    low = "" if minimum is None else (f"> {minimum:g}" if exclusive_minimum else f">= {minimum:g}")
-    high = "" if maximum is None else f"<= {maximum:g}"
+    low = "" if minimum is None else (f"> {_show(minimum)}" if exclusive_minimum else f">= {_show(minimum)}")
+    high = "" if maximum is None else f"<= {_show(maximum)}"
     if low and high:
         return f" {low} and {high}"
     return f" {low or high}" if (low or high) else ""

@@ -61,7 +61,7 @@ BAD_INPUTS = [
     ("train-data-missing", ["train-head", "--base", "{root}/base", "--data", "{root}/nope.jsonl", "--output",
                             "{root}/t1"], "--data {root}/nope.jsonl: no such file or directory"),
     ("train-window-zero", ["train-head", "--base", "{root}/base", "--data", "{root}/text.jsonl", "--output",
-                           "{root}/t2", "--window", "0"], "--sinks/--window: `window` must be an integer in [1, "),
+                           "{root}/t2", "--window", "0"], "must be an integer >= 1 and <= 16777216"),
     ("train-text-without-tokenizer", ["train-head", "--base", "{root}/base_no_tokenizer", "--data",
                                       "{root}/text.jsonl", "--output", "{root}/t3", "--sinks", "2", "--window", "3"],
      "text records need a tokenizer (--tokenizer)"),

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..validation import POLICY_HELP, number, parse_policy_text
+
 POLICY_KEY = "oda_policy"
 THRESHOLD_KEY = "oda_threshold"
 KNOWN_KEYS = (POLICY_KEY, THRESHOLD_KEY)
-POLICY_HELP = "head, full, local, random:P[:SEED] or schedule:K:PERIOD"
 FINISHED_KEPT = 100_000  # finished requests whose routing records the worker keeps
 
 
@@ -44,43 +45,26 @@ class RequestRouting:
 
 
 def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} must be a number; got {value!r}.")
+    """A finite number; OpenAI's ``vllm_xargs`` may carry it as a string."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number; got {value!r}.") from None
     try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number; got {value!r}.") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number; got {value!r}.")
-    return number
-
-
-def _integer(text: str, name: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer; got {text!r}.") from None
+        return number(name, value)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
 
 
 def parse_policy(text, threshold: float) -> RequestRouting:
     """'head', 'full', 'local', 'random:P[:SEED]' or 'schedule:K:PERIOD' as a `RequestRouting` (ValueError if not)."""
-    if not isinstance(text, str):
-        raise ValueError(f"{POLICY_KEY} must be a string ({POLICY_HELP}); got {text!r}.")
-    kind, *args = text.strip().split(":")
-    if kind in ("head", "full", "local") and not args:
-        return RequestRouting(policy=kind, threshold=threshold)
-    if kind == "random" and 1 <= len(args) <= 2:
-        p = _number(args[0], "random:P")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"random:P needs 0 <= P <= 1; got {args[0]!r}.")
-        seed = _integer(args[1], "random:P:SEED") if len(args) == 2 else 42
-        return RequestRouting(policy="random", threshold=threshold, p=p, seed=seed)
-    if kind == "schedule" and len(args) == 2:
-        k, period = _integer(args[0], "schedule:K"), _integer(args[1], "schedule:K:PERIOD")
-        if period < 1 or not 0 <= k <= period:
-            raise ValueError(f"schedule:K:PERIOD needs PERIOD >= 1 and 0 <= K <= PERIOD; got {text!r}.")
-        return RequestRouting(policy="schedule", threshold=threshold, k=k, period=period)
-    raise ValueError(f"unknown {POLICY_KEY} {text!r}: use {POLICY_HELP}.")
+    try:
+        spec = parse_policy_text(text)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{POLICY_KEY}: {err}") from None
+    params = {key: getattr(spec, key) for key in ("p", "seed", "k", "period") if getattr(spec, key) is not None}
+    return RequestRouting(policy=spec.kind, threshold=threshold, **params)
 
 
 def request_routing(extra_args: dict | None, default: RequestRouting) -> RequestRouting:

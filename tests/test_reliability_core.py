@@ -1,0 +1,288 @@
+"""Reliability of the core: one validation layer (CLI and API say the same), one atomic writer, no silent
+coercion, and a refused change leaves the model as it was."""
+
+import argparse
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
+from oda_hf.cli import main, parse_policy
+from oda_hf.files import atomic_write, output_lock, publish_files, staging_folder, write_json
+from oda_hf.validation import argument, integer, number, parse_policy_text, probability
+from tiny_models import save_with_word_tokenizer, tiny_model
+
+# -- the validation layer ---------------------------------------------------------------------------------
+
+GOOD_VALUES = [
+    (integer, dict(minimum=1), 3, 3),
+    (integer, dict(minimum=1), np.int64(3), 3),
+    (integer, dict(minimum=0, maximum=5), torch.tensor(5), 5),
+    (number, {}, 0.25, 0.25),
+    (number, {}, np.float32(0.5), 0.5),
+    (number, dict(minimum=0.0), 0, 0.0),
+    (probability, {}, 1, 1.0),
+]
+
+
+@pytest.mark.parametrize("check,bounds,value,expected", GOOD_VALUES)
+def test_valid_values_pass_unchanged(check, bounds, value, expected):
+    result = check("x", value, **bounds)
+    assert result == expected and type(result) is type(expected)
+
+
+BAD_VALUES = [  # (check, bounds, value, error, message fragment)
+    (integer, dict(minimum=1), 0, ValueError, "`x` must be an integer >= 1; got 0."),
+    (integer, dict(minimum=1), -2, ValueError, "got -2"),
+    (integer, dict(minimum=0, maximum=3), 4, ValueError, ">= 0 and <= 3; got 4"),
+    (integer, {}, 2.9, TypeError, "must be an integer; got 2.9 (float)"),
+    (integer, {}, 3.0, TypeError, "got 3.0 (float)"),
+    (integer, {}, True, TypeError, "got True (bool)"),
+    (integer, {}, "3", TypeError, "got '3' (str)"),
+    (number, {}, math.nan, ValueError, "must be a finite number; got nan"),
+    (number, {}, math.inf, ValueError, "got inf"),
+    (number, dict(minimum=0.0), -1.0, ValueError, "must be a finite number >= 0; got -1"),
+    (number, dict(minimum=0.0, exclusive_minimum=True), 0.0, ValueError, "> 0; got 0"),
+    (number, {}, "0.5", TypeError, "got '0.5' (str)"),
+    (number, {}, None, TypeError, "got None (NoneType)"),
+    (number, {}, False, TypeError, "(bool)"),
+    (probability, {}, 1.5, ValueError, ">= 0 and <= 1 (a probability); got 1.5"),
+]
+
+
+@pytest.mark.parametrize("check,bounds,value,error,fragment", BAD_VALUES)
+def test_invalid_values_name_the_value(check, bounds, value, error, fragment):
+    with pytest.raises(error) as info:
+        check("x", value, **bounds)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,expected", [("4", 4), (" 7 ", 7)])
+def test_argument_parses_text(text, expected):
+    assert argument(integer, "n", minimum=1)(text) == expected
+
+
+@pytest.mark.parametrize("converter,text,fragment", [
+    (argument(integer, "n", minimum=1), "0", "must be an integer >= 1; got 0."),
+    (argument(integer, "n", minimum=1), "2.5", "must be an integer; got '2.5'"),
+    (argument(integer, "n", minimum=1), "", "must be an integer; got ''"),
+    (argument(number, "t", minimum=0.0), "nan", "must be a finite number >= 0; got nan"),
+    (argument(number, "t", minimum=0.0), "-1", "got -1"),
+    (argument(number, "t"), "inf", "got inf"),
+    (argument(number, "t"), "abc", "must be a number; got 'abc'"),
+])
+def test_argument_errors_are_argparse_errors(converter, text, fragment):
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        converter(text)
+    assert fragment in str(info.value) and "`" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,kind,params", [
+    ("head", "head", {}), ("full", "full", {}), ("local", "local", {}), (" local ", "local", {}),
+    ("random:0.25", "random", dict(p=0.25, seed=42)), ("random:1:7", "random", dict(p=1.0, seed=7)),
+    ("schedule:2:16", "schedule", dict(k=2, period=16)), ("schedule:0:1", "schedule", dict(k=0, period=1)),
+])
+def test_policy_text(text, kind, params):
+    spec = parse_policy_text(text)
+    assert spec.kind == kind and all(getattr(spec, key) == value for key, value in params.items())
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("head:", "unknown policy 'head:'"), ("full:1", "unknown policy"), ("sometimes", "unknown policy"),
+    ("random::0.5", "must be a number; got ''"), ("random:0.5:", "must be an integer; got ''"),
+    ("random:nan", "finite"), ("random:1.5", "<= 1"), ("random:0.5:-1", ">= 0"), ("random:0.5:1.5", "integer"),
+    ("schedule:2.9:3", "must be an integer; got '2.9'"), ("schedule:2:3.5", "integer"),
+    ("schedule:3:2", "<= 2"), ("schedule:1:0", "PERIOD` must be an integer >= 1"), ("schedule:1", "unknown"),
+    ("", "unknown policy ''"),
+])
+def test_bad_policy_text(text, fragment):
+    with pytest.raises(ValueError, match=None) as info:
+        parse_policy_text(text)
+    assert fragment in str(info.value)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_policy(text)  # the CLI's --policy refuses the same texts
+
+
+@pytest.mark.parametrize("make,error,fragment", [
+    (lambda: SchedulePolicy(2.9, 3.5), TypeError, "`SchedulePolicy period` must be an integer >= 1; got 3.5"),
+    (lambda: SchedulePolicy(2.9, 4), TypeError, "`SchedulePolicy k` must be an integer"),
+    (lambda: SchedulePolicy(5, 4), ValueError, "<= 4; got 5"),
+    (lambda: RandomPolicy(math.nan), ValueError, "finite"),
+    (lambda: RandomPolicy(True), TypeError, "(bool)"),
+    (lambda: RandomPolicy(0.5, seed=1.5), TypeError, "seed` must be an integer"),
+    (lambda: OdaConfig(window=2048.0), ValueError, "`window` must be an integer"),
+    (lambda: OdaConfig(threshold=math.inf), ValueError, "finite"),
+])
+def test_policy_and_config_objects_refuse_instead_of_coercing(make, error, fragment):
+    with pytest.raises(error) as info:
+        make()
+    assert fragment in str(info.value)
+
+
+# -- a refused change leaves the model as it was; a cache keeps its geometry --------------------------------
+
+
+def test_refused_set_routing_keeps_the_previous_routing():
+    model = OdaForCausalLM(tiny_model("qwen3"), oda_config=OdaConfig(policy="local", window=8))
+    with pytest.raises(ValueError, match="needs a recall head"):
+        model.set_routing(policy="head", window=16)
+    assert (model.oda_config.policy, model.oda_config.window) == ("local", 8)
+    model.set_routing(policy="full")  # the next call works
+    assert model.oda_config.policy == "full"
+
+
+def test_a_cache_is_refused_under_another_geometry_and_continues_under_its_own():
+    torch.manual_seed(0)
+    model = OdaForCausalLM(tiny_model("qwen3"), oda_config=OdaConfig(policy="local", sinks=2, window=8))
+    prompt = torch.randint(3, 90, (1, 20))
+    first = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = first.past_key_values
+    model.set_routing(window=16)
+    follow_up = torch.cat([first.sequences, torch.randint(3, 90, (1, 2))], dim=1)
+    with pytest.raises(ValueError, match=r"made for sinks=2, window=8, but the model now routes with sinks=2, "
+                                         r"window=16\. Start a new cache"):
+        model.generate(follow_up, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    model.set_routing(window=8)
+    continued = model.generate(follow_up, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    fresh = model.generate(follow_up, max_new_tokens=3, do_sample=False)
+    assert torch.equal(continued, fresh)
+
+
+# -- `oda generate`: bad values end in one line and exit 2 ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("core") / "base"
+    save_with_word_tokenizer(tiny_model("qwen3"), folder)  # max_position_embeddings 512
+    return folder
+
+
+LONG_PROMPT = " ".join(f"w{3 + i % 90}" for i in range(500))
+
+GENERATE_MISTAKES = [  # (extra argv, message fragment)
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1; got 0."),
+    (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be an integer >= 1; got -2."),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0; got -1."),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0; got nan."),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0; got -1."),
+    (["--window", "0"], "argument --window: must be an integer >= 1 and <= 16777216; got 0."),
+    (["--sinks", "1.5"], "argument --sinks: must be an integer; got '1.5'."),
+    (["--threshold", "inf"], "argument --threshold: must be a finite number; got inf."),
+    (["--policy", "random::0.5"], "argument --policy: bad policy 'random::0.5'"),
+    (["--policy", "head:"], "argument --policy: unknown policy 'head:'"),
+    (["--policy", "schedule:2.9:3"], "argument --policy: bad policy 'schedule:2.9:3'"),
+    (["--policy", "full", "--prompt", LONG_PROMPT, "--max-new-tokens", "20"],
+     "the prompt has 500 tokens; with --max-new-tokens 20 that is 520 positions, past the model's "
+     "max_position_embeddings=512. Shorten it to at most 492 tokens"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", GENERATE_MISTAKES, ids=[" ".join(e)[:40] for e, _ in GENERATE_MISTAKES])
+def test_generate_mistakes_exit_2_with_one_line(extra, fragment, base_folder, capsys):
+    argv = ["generate", "--base", str(base_folder), "--prompt", "w3 w4 w5"] + extra
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "oda generate: error: " + fragment in err, err
+
+
+# -- one atomic writer ----------------------------------------------------------------------------------------
+
+
+def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    path = tmp_path / "out.json"
+    write_json(path, {"v": 1})
+    with pytest.raises(RuntimeError):
+        with atomic_write(path) as f:
+            f.write('{"v": 2, "half')
+            raise RuntimeError("killed")
+    assert path.read_text() == '{\n "v": 1\n}\n'
+    assert os.listdir(tmp_path) == ["out.json"]  # no temporary left behind
+
+
+def test_publish_files_moves_the_marker_last(tmp_path):
+    target = tmp_path / "head"
+    target.mkdir()
+    (target / "config.json").write_text("old config")
+    (target / "model.safetensors").write_text("old weights")
+    staging = staging_folder(target)
+    for name, text in (("config.json", "new config"), ("model.safetensors", "new weights")):
+        with open(os.path.join(staging, name), "w") as f:
+            f.write(text)
+    assert publish_files(staging, target, marker="config.json") == ["model.safetensors", "config.json"]
+    assert (target / "config.json").read_text() == "new config"
+    assert not os.path.exists(staging)
+
+
+def test_output_lock_refuses_a_second_writer(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from oda_hf.files import output_lock
+        with output_lock({str(tmp_path)!r}):
+            print("locked", flush=True)
+            time.sleep(60)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=rf"in use by process {holder.pid}: wait for it to finish"):
+            with output_lock(tmp_path, "the results"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with output_lock(tmp_path):  # a killed holder leaves no stuck lock
+        pass
+
+
+def test_kill_9_during_atomic_writes_leaves_complete_files(tmp_path):
+    """A writer killed at random moments: the file is always absent or one complete version."""
+    script = textwrap.dedent(f"""
+        from oda_hf.files import atomic_write
+        i = 0
+        while True:
+            with atomic_write({str(tmp_path / "data.txt")!r}) as f:
+                for _ in range(2000):
+                    f.write(f"{{i}}\\n" * 50)
+            i += 1
+    """)
+    for delay in (0.3, 0.5, 0.8):
+        writer = subprocess.Popen([sys.executable, "-c", script])
+        time.sleep(delay)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        path = tmp_path / "data.txt"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            assert len(lines) == 100_000 and len(set(lines)) == 1
+
+
+def test_an_unreachable_hub_id_fails_before_the_tokenizer_loader_retries(tmp_path, monkeypatch):
+    """generate, eval, calibrate, train-head and cache-supervision load the tokenizer first: the hub check must
+    come before transformers' loader, which retries for about a minute."""
+    import transformers
+
+    from oda_hf.cli_common import UsageError, load_tokenizer
+    from test_bad_inputs import unreachable_hub
+
+    unreachable_hub(tmp_path, monkeypatch)
+
+    def retrying_loader(*args, **kwargs):
+        raise AssertionError("the tokenizer loader ran before the hub check")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", retrying_loader)
+    with pytest.raises(UsageError, match=r"--base \(its tokenizer\): The tokenizer 'someone/missing' is not a local "
+                                         r"folder, not in the local Hugging Face cache, and the hub .* cannot be reached"):
+        load_tokenizer(None, "someone/missing")
