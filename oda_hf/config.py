@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from transformers.utils import logging
 
 from .policies import RoutingPolicy, resolve_policy
+from .files import write_json
 from .validation import MAX_SPAN, integer, number
 
 logger = logging.get_logger(__name__)
@@ -93,9 +94,7 @@ class OdaConfig:
                 f"oda_config.json saves sinks, window and threshold but not the policy {self.policy!r}: policy "
                 "objects are run-time controls. Loading this folder uses policy='head'; pass policy=... to change it."
             )
-        os.makedirs(save_directory, exist_ok=True)
-        with open(os.path.join(save_directory, ODA_CONFIG_NAME), "w") as f:
-            json.dump(values, f, indent=2)
+        write_json(os.path.join(save_directory, ODA_CONFIG_NAME), values, indent=2)
 
     @classmethod
     def from_json_file(cls, path: str) -> "OdaConfig":

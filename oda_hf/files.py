@@ -44,7 +44,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", dir=folder or ".")
+    # The suffix is kept: writers such as matplotlib choose the format from the extension.
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", suffix=os.path.splitext(path)[1],
+                                     dir=folder or ".")
     os.close(fd)
     try:
         yield temporary

@@ -503,8 +503,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if self.recall_head is None:
             raise ValueError("There is no recall head to save: ODA never saves the base model's weights.")
         kwargs.pop("max_shard_size", None)
-        self.recall_head.save_pretrained(save_directory, **kwargs)
+        # Routing defaults first: the head's config.json (written last, atomically) marks a complete folder.
         self.oda_config.save_pretrained(save_directory)
+        self.recall_head.save_pretrained(save_directory, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the head, its generated model card and the routing defaults (never the base weights)."""

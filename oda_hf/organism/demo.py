@@ -13,7 +13,9 @@ import os
 import time
 from importlib import resources
 
-from ..cli_common import UsageError
+from ..cli_common import UsageError, user_input
+from ..files import write_text
+from ..validation import argument, integer, number
 from .corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB, OrganismCorpus
 from .metrics import example_score
 
@@ -126,8 +128,8 @@ def _write_trajectory(trajectory: dict, output: str) -> dict:
     title = f"ODA on the organism: {example.task}"
     html_path, png_path = os.path.join(output, "trajectory.html"), os.path.join(output, "trajectory.png")
     kwargs = dict(answers=[" " + a for a in example.answers], prompt_tokens=prompt_tail)
-    with open(html_path, "w", encoding="utf-8") as f:
-        f.write(render_html(tokens, trajectory["decisions"], head_scores=trajectory["scores"], title=title, **kwargs))
+    write_text(html_path, render_html(tokens, trajectory["decisions"], head_scores=trajectory["scores"], title=title,
+                                      **kwargs))
     render_png(tokens, trajectory["decisions"], png_path, title=title, **kwargs)
     return {"html": html_path, "png": png_path}
 
@@ -143,12 +145,13 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--head", default=None, help="recall head folder for --model smollm2 (default: the shipped one)")
     parser.add_argument("--organism", default=None, help="organism folder (default: the one shipped in the package)")
     parser.add_argument("--output", default="oda_demo", help="folder for trajectory.html / trajectory.png")
-    parser.add_argument("--threshold", type=float, default=None,
+    parser.add_argument("--threshold", type=argument(number, "threshold"), default=None,
                         help="ODA threshold theta (default: the head's saved one, chosen on dev)")
     parser.add_argument("--tasks", default=None,
                         help="comma-separated task families: for SmolLM2 any RULER task (default niah_single_2, "
                              "niah_multikey_1, vt), for the organism a subset of its six")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
+    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=1,
+                        help="torch threads (a tiny model gains nothing from more)")
     parser.set_defaults(func=_run_demo_command)
 
 
@@ -157,7 +160,11 @@ def _run_demo_command(args) -> int:
 
     from ..evaluation.ruler_synth import TASKS as RULER_TASKS
 
-    wanted = args.tasks.split(",") if args.tasks else None
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError(f"--output {args.output} is a file; give a folder for trajectory.html and trajectory.png.")
+    wanted = [task.strip() for task in args.tasks.split(",") if task.strip()] if args.tasks is not None else None
+    if wanted is not None and not wanted:
+        raise UsageError("--tasks is empty; give comma-separated task names or leave it out.")
     organism_tasks = [task for task, _ in DEMO_PROMPTS]
     smollm2 = args.model != "organism" and args.organism is None
     if wanted:  # checked before anything is fetched or loaded
@@ -199,6 +206,11 @@ def _run_smollm2(args, tasks=None) -> bool:
             return False
     elif not os.path.isdir(head):
         raise UsageError(f"--head {head} does not exist.")
+    else:
+        from ..loading import check_head_folder
+
+        with user_input(f"--head {head}", "give a folder written by RecallHead.save_pretrained or oda train-head"):
+            check_head_folder(head)  # before the model is fetched or loaded
     from ..smollm2_demo import DEMO_LENGTH, DEMO_PROMPTS as SMOLLM2_PROMPTS, run_smollm2_demo
 
     prompts = tuple((task, DEMO_LENGTH) for task in tasks) if tasks else SMOLLM2_PROMPTS
