@@ -20,6 +20,7 @@ Layer kinds (from `transformers.cache_utils.get_layer_types_and_kwargs`):
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
@@ -73,7 +74,7 @@ class OdaGlobalLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, sinks: int, window: int, max_cache_len: int | None = None, **kwargs):
         super().__init__()
@@ -253,11 +254,42 @@ class OdaGlobalLayer(CacheLayerMixin):
         if self.is_initialized:
             self._index_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "OdaCache cannot be cropped: routed history is committed once per step. Assisted/speculative "
-            "decoding is not supported by oda_hf; generate without `assistant_model`/`prompt_lookup_num_tokens`."
-        )
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: remove that many), as transformers' `crop`.
+
+        The complete history is kept, so the Local workspace is re-derived from it: the ring slots the removed
+        positions overwrote get their older positions back. Rows are left-padded (as `generate` pads), so a row's
+        valid positions are its last `valid_count` columns and cropping removes the same count from every row."""
+        if not self.is_initialized:
+            return
+        if self.pending:
+            raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
+        length = self.seq_length
+        max_length = length + max_length if max_length < 0 else max_length
+        removed = length - max_length
+        if removed <= 0:
+            return
+        if removed > int(self.valid_count.min()):
+            raise ValueError(f"crop({max_length}) would remove {removed} positions, more than a row holds.")
+        self.seq_length = max_length
+        self.valid_count -= removed
+        self.sync_workspace()
+
+    def sync_workspace(self) -> None:
+        """Write every row's sinks and its last ``window - 1`` valid positions into the workspace from the complete
+        history (after positions were removed, or appended by a multi-token forward: `OdaCache.extend_workspace`).
+        Rows are left-padded: a row's valid positions are its last `valid_count` columns."""
+        self._ensure_workspace(int(self.valid_count.max()) + 1)
+        for row in range(self.valid_count.shape[0]):
+            count = int(self.valid_count[row])
+            positions = torch.arange(count)
+            positions = positions[self._workspace_keeps(positions, count)]
+            if positions.numel() == 0:
+                continue
+            slots = self._workspace_slots(positions).to(self.device)
+            columns = (positions + (self.seq_length - count)).to(self.device)
+            self.ws_keys[row, :, slots] = self.keys[row, :, columns]
+            self.ws_values[row, :, slots] = self.values[row, :, columns]
 
     def reset(self) -> None:
         self.keys = self.values = self.ws_keys = self.ws_values = None
@@ -270,7 +302,7 @@ class OdaGlobalLayer(CacheLayerMixin):
 class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
     """A native sliding-window layer: same computation in both modes, append deferred to commit."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window=sliding_window)
@@ -283,7 +315,10 @@ class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending[self.mode] = (key_states, value_states)
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        # With past recording on (exact decoding) the layer may hold more than its window: attend to the window.
+        held = self.keys.shape[-2] - max(self.sliding_window - 1, 0)
+        keys, values = (self.keys[:, :, held:], self.values[:, :, held:]) if held > 0 else (self.keys, self.values)
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
     def commit(self, select_full: torch.Tensor | None) -> None:
         local, full = self.pending.get(LOCAL), self.pending.get(FULL)
@@ -295,8 +330,25 @@ class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
         super().update(keys, values)
         self.pending.clear()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        OdaGlobalLayer.crop(self, tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: remove that many). The layer holds only its last
+        ``sliding_window - 1`` positions unless past recording is on (`activate_past_recording`, as exact
+        decoding does): a crop needing an evicted position is an error, never a silent wrong window."""
+        if not self.is_initialized:
+            return
+        if self.pending:
+            raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
+        length = self.cumulative_length
+        max_length = length + max_length if max_length < 0 else max_length
+        held = self.keys.shape[-2]  # positions [length - held, length)
+        start = max(0, max_length - (self.sliding_window - 1))
+        if max_length < length and start < length - held:
+            raise ValueError(
+                f"This sliding-window layer no longer holds position {start} (it keeps its last {held}); call "
+                "activate_past_recording() before the steps that may be cropped.")
+        begin, end = start - (length - held), min(max_length, length) - (length - held)
+        self.keys, self.values = self.keys[:, :, begin:end], self.values[:, :, begin:end]
+        self.cumulative_length = min(max_length, length)
 
 
 class OdaLinearAttentionLayer(LinearAttentionLayer):
@@ -323,8 +375,10 @@ class OdaLinearAttentionLayer(LinearAttentionLayer):
         for (store, i), local in zip(self._state_tensors(), local_state):
             store[i].copy_(select_rows(select_full, store[i], local))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        OdaGlobalLayer.crop(self, tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        raise ValueError(
+            "Gated DeltaNet state is one recurrent state, not one entry per position: it cannot be cropped. Take an "
+            "OdaCache.checkpoint() before the steps to undo and rollback() to it.")
 
 
 class OdaCache(Cache):
@@ -462,6 +516,14 @@ class OdaCache(Cache):
             if layer.is_initialized:
                 layer.rebuild_workspace(valid)
 
+    def extend_workspace(self, added: int) -> None:
+        """After a multi-token Full forward appended `added` positions to every row (exact decoding's verification),
+        count them as valid and bring the Local workspaces up to date."""
+        for layer in self.global_layers:
+            if layer.is_initialized:
+                layer.valid_count += added
+                layer.sync_workspace()
+
     def local_visibility(self) -> torch.Tensor:
         return self.global_layers[0].local_visibility()
 
@@ -526,8 +588,49 @@ class OdaCache(Cache):
         if self.selected_hidden is not None:
             self.selected_hidden = self.selected_hidden.repeat_interleave(repeats, dim=0)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        OdaGlobalLayer.crop(None, tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: remove that many) in every layer. Hybrids with
+        recurrent (Gated DeltaNet) state cannot crop: use `checkpoint` / `rollback`."""
+        if self.linear_layers:
+            self.linear_layers[0].crop(max_length)  # raises, naming checkpoint/rollback
+        for layer in self.layers:
+            if not isinstance(layer, DummyLayer):
+                layer.crop(max_length)
+
+    def checkpoint(self) -> "CacheCheckpoint":
+        """The committed state now, to `rollback` to after speculative steps (no pending step allowed)."""
+        if any(getattr(layer, "pending", None) for layer in self.layers):
+            raise RuntimeError("checkpoint() with an uncommitted step: commit or discard it first.")
+        return CacheCheckpoint(
+            length=self.get_seq_length(),
+            sliding=[(layer.keys, layer.values, layer.cumulative_length) if layer.is_initialized else None
+                     for layer in self.layers if isinstance(layer, OdaSlidingWindowLayer)],
+            linear=[layer.snapshot() for layer in self.linear_layers],
+            selected_hidden=self.selected_hidden,
+        )
+
+    def rollback(self, checkpoint: "CacheCheckpoint") -> None:
+        """Return to `checkpoint`: drop pending candidates and every position committed after it."""
+        self.discard_pending()
+        for layer in self.global_layers:
+            layer.crop(checkpoint.length)
+        sliding = [layer for layer in self.layers if isinstance(layer, OdaSlidingWindowLayer)]
+        for layer, saved in zip(sliding, checkpoint.sliding):
+            if saved is not None:  # update() replaces these tensors, never writes into them
+                layer.keys, layer.values, layer.cumulative_length = saved
+        for layer, saved in zip(self.linear_layers, checkpoint.linear):
+            layer.restore(saved)
+        self.selected_hidden = checkpoint.selected_hidden
+
+
+@dataclass
+class CacheCheckpoint:
+    """What `OdaCache.rollback` needs: the history length, sliding-window tensors, recurrent state."""
+
+    length: int
+    sliding: list
+    linear: list
+    selected_hidden: torch.Tensor | None
 
 
 class FullRetryRows(Cache):

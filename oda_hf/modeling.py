@@ -241,7 +241,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 f"ODA needs an OdaCache, got {type(cache).__name__}. Omit past_key_values or pass model.new_cache()."
             )
 
-    def generate(self, *args, oda_fast: bool = False, **kwargs):
+    def generate(self, *args, oda_fast: bool = False, oda_mode: str = "approximate", max_draft: int = 8,
+                 verify_threshold: float | None = None, **kwargs):
         """The stock `generate()`; afterwards `self.routing` describes this call's routing, also when the call
         continues a reused ``past_key_values`` (multi-turn chat): each call starts a new record and policy state.
 
@@ -249,7 +250,21 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         preallocated buffers, device-side routing, CUDA graphs on GPU; greedy or sampling, full-attention
         families). Settings it cannot run raise `FastPathUnsupported`. With ``ODA_DISABLE_FAST_PATH=1``
         it runs this HF path instead (logged; same results).
+
+        ``oda_mode="exact"`` returns Full's output token for token (`oda_hf.exact`): Local drafts up to
+        `max_draft` tokens, and one Full pass verifies them when the head's score passes `verify_threshold`
+        (default: the routing threshold; ``math.inf`` verifies every `max_draft` tokens, head unused).
+        ``model.routing`` is then an `ExactRecord` (drafted, accepted, corrected tokens, Full passes).
         """
+        if oda_mode not in ("approximate", "exact"):
+            raise ValueError(f"oda_mode must be 'approximate' (routed: Local or Full per step) or 'exact' (Local "
+                             f"drafts, Full verifies); got {oda_mode!r}.")
+        if oda_mode == "exact":
+            if oda_fast:
+                raise ValueError("oda_mode='exact' runs on the Transformers path; drop oda_fast=True.")
+            from .exact import generate_exact
+
+            return generate_exact(self, *args, max_draft=max_draft, verify_threshold=verify_threshold, **kwargs)
         if oda_fast:
             from .engine import fast_path_enabled, generate_fast
 

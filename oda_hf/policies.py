@@ -143,7 +143,8 @@ class SchedulePolicy(RoutingPolicy):
     def __init__(self, k: int, period: int, run_head: bool = False):
         # Counts, not rounded: SchedulePolicy(2.9, 3.5) is an error, not (2, 3).
         self.period = integer("SchedulePolicy period", period, minimum=1)
-        self.k = integer("SchedulePolicy k", k, minimum=0, maximum=self.period)
+        self.k = integer("SchedulePolicy k", k, minimum=0, maximum=self.period,
+                         meaning=f"Full steps in every period of {self.period}")
         self.run_head = run_head
 
     @property

@@ -114,7 +114,7 @@ def test_bad_policy_text(text, fragment):
 @pytest.mark.parametrize("make,error,fragment", [
     (lambda: SchedulePolicy(2.9, 3.5), TypeError, "`SchedulePolicy period` must be an integer >= 1; got 3.5"),
     (lambda: SchedulePolicy(2.9, 4), TypeError, "`SchedulePolicy k` must be an integer"),
-    (lambda: SchedulePolicy(5, 4), ValueError, "<= 4; got 5"),
+    (lambda: SchedulePolicy(5, 4), ValueError, "<= 4 (Full steps in every period of 4); got 5"),
     (lambda: RandomPolicy(math.nan), ValueError, "finite"),
     (lambda: RandomPolicy(True), TypeError, "(bool)"),
     (lambda: RandomPolicy(0.5, seed=1.5), TypeError, "seed` must be an integer"),

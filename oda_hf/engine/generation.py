@@ -56,8 +56,12 @@ class Request:
     output_logits: bool
 
 
-def resolve_request(model, inputs, generation_config, kwargs: dict) -> Request:
-    """`generate()`'s setup for one request, or `FastPathUnsupported` naming the setting the engine lacks."""
+def resolve_request(model, inputs, generation_config, kwargs: dict, refuse=None) -> Request:
+    """`generate()`'s setup for one request, or `FastPathUnsupported` naming the setting the engine lacks.
+
+    `refuse(what)`: the exception for an unsupported setting (default: the fast path's); exact decoding
+    (`oda_hf.exact`) shares this setup with its own message."""
+    _unsupported = refuse or globals()["_unsupported"]
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if input_ids is None:

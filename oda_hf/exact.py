@@ -1,0 +1,346 @@
+"""Exact ODA: Local drafts tokens, Full verifies them when the head says so, and the output is Full's.
+
+Self-speculative decoding with the model's own Local attention (sinks + window over the same KV cache)
+as the draft and Full attention as the target, as in MagicDec or TriForce; what ODA adds is *when* to
+verify: the recall head scores every Local step, and a score above ``verify_threshold`` (or not finite)
+ends the draft at that step instead of after a fixed number of tokens.
+
+One row at a time (the rows of a batch are decoded one after another, each without its padding):
+
+* ``x_V`` is the last token whose value is final (from the prefill or a verification); positions below
+  ``V`` hold Full KV. Drafted tokens after it are *pending*; their positions hold Local KV.
+* Draft step: a Local step on the current token gives the head's score and Local's logits. If the head
+  asks (score > threshold), the step is dropped and the pending tokens are verified; otherwise Local's
+  token (greedy argmax, or a draw from Local's distribution) becomes pending.
+* Verification, when the head asks, ``max_draft`` tokens are pending, an EOS is pending or the output is
+  full: roll the cache back to ``V``, run one Full pass over ``x_V`` and the pending tokens (it writes
+  their Full KV), keep the longest prefix Full agrees with, take Full's token at the first disagreement
+  (or after the last draft), and crop the cache to the kept positions. Greedy: a draft is kept when it is
+  Full's argmax. Sampling: the standard speculative-sampling rule with Full as the target
+  (`speculative_verify`), so the output distribution is Full's.
+
+Hybrids with recurrent (Gated DeltaNet) state cannot crop: after a disagreement they roll back and run
+the kept tokens through Full once more (counted in ``full_passes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import GenerateDecoderOnlyOutput
+
+from .cache import LOCAL, PREFILL, OdaCache, OdaGlobalLayer, OdaSlidingWindowLayer
+from .compat import cache_kwargs
+from .validation import integer, number
+
+#: Full's top two processed logits closer than this: batched and single-token Full passes may round to
+#: different tokens there. Such verified positions are counted (`ExactRecord.near_ties`), never hidden.
+NEAR_TIE = 1e-4
+MAX_DRAFT_LIMIT = 1024
+
+
+class ExactDecodingUnsupported(ValueError):
+    """A generation setting exact decoding does not run."""
+
+
+def _refuse(what: str) -> ExactDecodingUnsupported:
+    return ExactDecodingUnsupported(
+        f"{what} is not supported with oda_mode='exact', which runs greedy decoding or sampling (temperature, "
+        "top_k, top_p, min_p, repetition_penalty) with EOS and max_new_tokens as the stopping rules.")
+
+
+@dataclass
+class ExactRecord:
+    """What exact decoding did in one `generate()` call, per row (lists indexed by row).
+
+    * ``generated``: output tokens; ``drafted``: tokens Local proposed; ``accepted``: drafts Full confirmed;
+      ``corrected``: drafts Full replaced (at most one per verification); ``bonus``: tokens Full produced
+      after the last draft of a verification (no draft to compare, e.g. when the head asked to verify);
+      ``full_passes``: Full forward passes after the prefill; ``head_verifications``: passes the head asked
+      for (the rest came from ``max_draft``, EOS or the output cap); ``near_ties``: verified positions whose
+      top two Full logits were within `NEAR_TIE`.
+    """
+
+    batch_size: int
+    max_draft: int
+    verify_threshold: float
+    generated: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    corrected: list[int] = field(default_factory=list)
+    bonus: list[int] = field(default_factory=list)
+    full_passes: list[int] = field(default_factory=list)
+    head_verifications: list[int] = field(default_factory=list)
+    near_ties: list[int] = field(default_factory=list)
+
+    COUNTS = ("generated", "drafted", "accepted", "corrected", "bonus", "full_passes", "head_verifications",
+              "near_ties")
+
+    def __post_init__(self):
+        for name in self.COUNTS:
+            if not getattr(self, name):
+                setattr(self, name, [0] * self.batch_size)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(self, name))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens, pooled over rows (NaN without drafts)."""
+        drafted = self.total("drafted")
+        return self.total("accepted") / drafted if drafted else math.nan
+
+    @property
+    def tokens_per_full_pass(self) -> float:
+        """Output tokens per Full pass after the prefill (the prefill's token excluded), pooled."""
+        passes = self.total("full_passes")
+        return (self.total("generated") - self.batch_size) / passes if passes else math.nan
+
+    @property
+    def full_passes_per_token(self) -> float:
+        tokens = self.total("generated")
+        return self.total("full_passes") / tokens if tokens else math.nan
+
+    def summary(self) -> str:
+        head = ("fixed drafts (head not used)" if math.isinf(self.verify_threshold)
+                else f"verify threshold {self.verify_threshold:g}")
+        return (f"exact: {self.total('generated')} tokens, {self.total('full_passes')} Full passes "
+                f"({self.full_passes_per_token:.3f} per token), drafted {self.total('drafted')}, accepted "
+                f"{self.total('accepted')} ({self.acceptance_rate:.1%}), corrected {self.total('corrected')}, "
+                f"bonus {self.total('bonus')}, head-asked verifications {self.total('head_verifications')}, "
+                f"max_draft {self.max_draft}, {head}, near-ties {self.total('near_ties')}")
+
+    def __repr__(self) -> str:
+        return f"ExactRecord({self.summary()})"
+
+
+# -- the acceptance rules (pure functions, tested against independent implementations) ----------------------
+
+
+def sample_from(probs: torch.Tensor, uniform: float) -> int:
+    """The token at `uniform` in [0, 1) of the cumulative distribution `probs` ``[vocab]`` (inverse CDF)."""
+    cdf = probs.double().cumsum(0)
+    index = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    return min(index, probs.shape[0] - 1)
+
+
+def speculative_verify(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                       accept_uniforms: list[float], sample_uniforms: list[float]) -> tuple[int, int | None]:
+    """The speculative-sampling rule: ``(accepted drafts, next token)``.
+
+    Draft ``j`` (drawn from ``draft_probs[j]``) is kept when ``u_j < min(1, q(x) / p(x))`` with ``q`` =
+    ``target_probs[j]``; the first rejected draft is replaced by a draw from ``max(0, q - p)`` normalised.
+    When every draft is kept and ``target_probs`` has one more row, the next token is drawn from it (else
+    None). `target_probs`: ``[len(drafts) (+1), vocab]``; one accept and one sample uniform per row."""
+    for j, token in enumerate(drafts):
+        p, q = float(draft_probs[j, token]), float(target_probs[j, token])
+        if accept_uniforms[j] * p < q:
+            continue
+        residual = (target_probs[j].double() - draft_probs[j].double()).clamp(min=0)
+        if float(residual.sum()) <= 0:  # only through rounding (a rejection means q < p somewhere)
+            residual = target_probs[j].double()
+        return j, sample_from(residual, sample_uniforms[j])
+    if target_probs.shape[0] > len(drafts):
+        return len(drafts), sample_from(target_probs[len(drafts)], sample_uniforms[len(drafts)])
+    return len(drafts), None
+
+
+def greedy_verify(drafts: list[int], target_scores: torch.Tensor) -> tuple[int, int | None, int]:
+    """Greedy verification: ``(accepted drafts, next token or None, near ties among the positions used)``."""
+    near_ties = 0
+    for j in range(min(len(drafts) + 1, target_scores.shape[0])):
+        top2 = torch.topk(target_scores[j].float(), 2).values
+        near_ties += int(float(top2[0] - top2[1]) < NEAR_TIE)
+        best = int(torch.argmax(target_scores[j]))
+        if j == len(drafts):
+            return j, best, near_ties
+        if best != drafts[j]:
+            return j, best, near_ties
+    return len(drafts), None, near_ties
+
+
+# -- the decode loop ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Settings:
+    max_draft: int
+    verify_threshold: float
+    use_head: bool
+
+
+def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
+    """Validate the exact-mode knobs against the model's routing (errors name what is supported)."""
+    max_draft = integer("max_draft", max_draft, minimum=1, maximum=MAX_DRAFT_LIMIT,
+                        meaning="drafted tokens per verification at most")
+    if verify_threshold is None:
+        verify_threshold = model.oda_config.threshold
+    verify_threshold = number("verify_threshold", verify_threshold, finite=False)
+    if verify_threshold == -math.inf:
+        raise ValueError("verify_threshold=-inf would verify every token: that is Full decoding, use oda_mode's "
+                         "default with policy='full' instead.")
+    use_head = math.isfinite(verify_threshold)
+    policy = model.oda_config.routing_policy()
+    if use_head and (not policy.uses_head or model.recall_head is None):
+        raise ValueError(
+            f"oda_mode='exact' verifies when the recall head asks, but the routing policy is {policy!r}. Use "
+            "policy='head' with a recall head, or verify_threshold=math.inf for fixed-length drafts (max_draft "
+            "tokens per verification, no head).")
+    return _Settings(max_draft, verify_threshold, use_head)
+
+
+@torch.no_grad()
+def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int = 8,
+                   verify_threshold: float | None = None, **kwargs):
+    """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module)."""
+    from .engine.generation import resolve_request
+
+    settings = check_exact_settings(model, max_draft, verify_threshold)
+    request = resolve_request(model, inputs, generation_config, kwargs, refuse=_refuse)
+    if request.output_scores or request.output_logits:
+        raise _refuse("output_scores / output_logits")
+    eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
+    batch = request.input_ids.shape[0]
+    record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
+    outputs = []
+    for row in range(batch):
+        prompt = request.input_ids[row][request.attention_mask[row].bool()]
+        if prompt.numel() == 0:
+            raise ValueError(f"Row {row} of the batch has no prompt token (its attention_mask is all zeros).")
+        outputs.append(_decode_row(model, prompt, request, settings, eos, record, row))
+    model.routing = record
+    length = max(len(tokens) for tokens in outputs)
+    pad = int(request.pad.flatten()[0]) if request.pad is not None else 0
+    new = torch.full((batch, length), pad, dtype=torch.long, device=request.input_ids.device)
+    for row, tokens in enumerate(outputs):
+        new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    sequences = torch.cat([request.input_ids, new], dim=1)
+    return GenerateDecoderOnlyOutput(sequences=sequences) if request.return_dict else sequences
+
+
+def _full_pass(model, cache: OdaCache, tokens: list[int], start: int) -> torch.Tensor:
+    """Run `tokens` (at positions start...) through the model with Full attention, appending their KV;
+    returns their final hidden states ``[len(tokens), hidden]``."""
+    device = model.device
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = torch.arange(start, start + len(tokens), device=device)[None]
+    cache.set_mode(PREFILL)
+    out = model.get_decoder()(input_ids=ids, position_ids=positions,
+                              attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long, device=device),
+                              **cache_kwargs(cache), use_cache=True)
+    cache.extend_workspace(len(tokens))
+    return out.last_hidden_state[0]
+
+
+def _local_step(model, cache: OdaCache, token: int, position: int, use_head: bool):
+    """One Local step on `token`: ``(local hidden [1, hidden], head score or None)``, its KV left pending."""
+    device = model.device
+    ids = torch.tensor([[token]], dtype=torch.long, device=device)
+    positions = torch.tensor([[position]], device=device)
+    mask = torch.ones(1, position + 1, dtype=torch.long, device=device)
+    embeds = model.get_input_embeddings()(ids)
+    in_window = bool(cache.rows_within_window()[0])
+    cache.begin_step()
+    cache.set_mode(LOCAL)
+    out = model.get_decoder()(input_ids=ids, position_ids=positions,
+                              attention_mask=model._local_masks(cache, embeds, mask, positions),
+                              **cache_kwargs(cache), use_cache=True)
+    hidden = out.last_hidden_state[:, -1]
+    score = None
+    if use_head and not in_window:  # within sinks + window Local reads what Full reads: nothing to ask
+        score = float(model.recall_head(cache.selected_hidden, embeds[:, -1], hidden)[0])
+    return hidden, score
+
+
+def _processed(request, prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """`generate()`'s logits processing of one position's logits ``[vocab]`` after token ids `prefix`."""
+    ids = torch.tensor([prefix], dtype=torch.long, device=logits.device)
+    return request.processors(ids, logits.float()[None])[0]
+
+
+def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
+                row: int) -> list[int]:
+    max_new, sampling = request.max_new_tokens, request.do_sample
+    cache = model.new_cache(max_cache_len=prompt.numel() + max_new + settings.max_draft + 1)
+    for layer in cache.layers:
+        if isinstance(layer, OdaSlidingWindowLayer):
+            layer.activate_past_recording()  # verification crops back over positions a window layer evicts
+    final = prompt.tolist()
+    length = len(final)
+    hidden = _full_pass(model, cache, final, start=0)
+    cache.selected_hidden = hidden[-1:]
+
+    def choose(scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if not sampling:
+            return int(torch.argmax(scores)), None
+        probs = torch.softmax(scores, dim=-1)
+        return sample_from(probs, float(torch.rand(()))), probs
+
+    final.append(choose(_processed(request, final, model.lm_logits(hidden[-1:])[0]))[0])
+    pending: list[int] = []
+    pending_probs: list[torch.Tensor] = []
+    checkpoint = cache.checkpoint()
+    while True:
+        produced = len(final) - length + len(pending)
+        if not pending and (final[-1] in eos or produced >= max_new):
+            break
+        must_verify = len(pending) >= settings.max_draft or produced >= max_new or (pending and pending[-1] in eos)
+        head_asked = False
+        if not must_verify:
+            current = pending[-1] if pending else final[-1]
+            local_hidden, score = _local_step(model, cache, current, len(final) - 1 + len(pending), settings.use_head)
+            if score is not None and not score <= settings.verify_threshold:  # NaN asks too
+                cache.discard_pending()
+                head_asked = True
+            else:
+                cache.commit(None)
+                cache.selected_hidden = local_hidden
+                token, probs = choose(_processed(request, final + pending, model.lm_logits(local_hidden)[0]))
+                pending.append(token)
+                pending_probs.append(probs)
+                record.drafted[row] += 1
+                continue
+        # Verify: Full over x_V and the pending drafts (the last one only when a token must follow it).
+        need_next = produced < max_new and not (pending and pending[-1] in eos)
+        tokens = [final[-1]] + (pending if need_next else pending[:-1])
+        start = len(final) - 1
+        cache.rollback(checkpoint)
+        hidden = _full_pass(model, cache, tokens, start)
+        record.full_passes[row] += 1
+        record.head_verifications[row] += int(head_asked)
+        prefix = final + pending
+        scores = torch.stack([_processed(request, prefix[: start + 1 + j], model.lm_logits(hidden[j:j + 1])[0])
+                              for j in range(len(tokens))])
+        if sampling:
+            accepted, following = speculative_verify(
+                pending, torch.stack(pending_probs) if pending else scores[:0], torch.softmax(scores, dim=-1),
+                [float(torch.rand(())) for _ in pending], [float(torch.rand(())) for _ in tokens])
+        else:
+            accepted, following, ties = greedy_verify(pending, scores)
+            record.near_ties[row] += ties
+        record.accepted[row] += accepted
+        if following is not None:
+            if accepted < len(pending):
+                record.corrected[row] += 1
+            else:
+                record.bonus[row] += 1
+        keep = min(accepted + 1, len(tokens))  # x_V and the accepted drafts hold Full KV now
+        if keep < len(tokens) and cache.linear_layers:  # recurrent state cannot crop: recompute the kept tokens
+            cache.rollback(checkpoint)
+            hidden = _full_pass(model, cache, tokens[:keep], start)
+            record.full_passes[row] += 1
+        for layer in cache.layers:  # drop the rejected positions; window layers go back to their window
+            if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
+                layer.crop(start + keep)
+        cache.selected_hidden = hidden[keep - 1: keep]
+        final += pending[:accepted] + ([following] if following is not None else [])
+        pending, pending_probs = [], []
+        checkpoint = cache.checkpoint()
+    generated = final[length:]
+    if eos and any(token in eos for token in generated):
+        generated = generated[: next(i for i, token in enumerate(generated) if token in eos) + 1]
+    generated = generated[:max_new]
+    record.generated[row] = len(generated)
+    return generated

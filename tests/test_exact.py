@@ -1,0 +1,263 @@
+"""Exact ODA (`generate(..., oda_mode="exact")`): Local drafts, Full verifies, the output is Full's."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf.exact import ExactRecord, greedy_verify, sample_from, speculative_verify
+from tiny_models import FAMILIES, tiny_model
+
+SINKS, WINDOW = 2, 6
+
+
+def exact_model(family: str, threshold: float = 0.0, **overrides) -> OdaForCausalLM:
+    base = tiny_model(family, **overrides)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a random head that asks for verification at some steps and not at others
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return OdaForCausalLM(base, head, OdaConfig(sinks=SINKS, window=WINDOW, threshold=threshold))
+
+
+def stock(model, ids, **kwargs):
+    return model.base_model.generate(ids, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def exact(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, pad_token_id=0, oda_mode="exact", **kwargs)
+
+
+# -- greedy: token for token the stock model's output ---------------------------------------------------------
+
+DRAFT_SETTINGS = [(1, math.inf), (4, math.inf), (8, 0.0), (3, 0.5)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_draft,threshold", DRAFT_SETTINGS)
+def test_greedy_equals_stock_generate(family, max_draft, threshold):
+    model = exact_model(family)
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(2))
+    out = exact(model, ids, max_new_tokens=24, max_draft=max_draft, verify_threshold=threshold)
+    assert torch.equal(out, stock(model, ids, max_new_tokens=24))
+    record = model.routing
+    assert isinstance(record, ExactRecord) and record.total("generated") == 24
+    assert record.total("accepted") + record.total("corrected") + record.total("bonus") + 1 == 24
+    assert record.total("full_passes") >= 1
+    if math.isinf(threshold):
+        assert record.total("head_verifications") == 0
+
+
+@pytest.mark.parametrize("prompt_length", [WINDOW - 2, WINDOW, SINKS + WINDOW - 1, SINKS + WINDOW,
+                                           SINKS + WINDOW + 1, 3 * WINDOW + 1])
+def test_window_boundaries_and_ring_wrap(prompt_length):
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    for max_draft, threshold in DRAFT_SETTINGS:
+        assert torch.equal(exact(model, ids, max_new_tokens=20, max_draft=max_draft, verify_threshold=threshold),
+                           stock(model, ids, max_new_tokens=20))
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (6, 3), (7, 7)])
+def test_gqa_layouts(heads):
+    model = exact_model("llama", num_attention_heads=heads[0], num_key_value_heads=heads[1], hidden_size=56)
+    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(exact(model, ids, max_new_tokens=16, max_draft=4, verify_threshold=0.0),
+                       stock(model, ids, max_new_tokens=16))
+
+
+def test_padded_batch_equals_stock_padded_batch():
+    model = exact_model("qwen2")
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 90, (3, 24), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :5], mask[2, :11] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    reference = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                         oda_mode="exact", max_draft=4)
+    assert torch.equal(out, reference)
+    assert model.routing.generated == [14, 14, 14]
+
+
+def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft():
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5))
+    free = stock(model, ids, max_new_tokens=30)[0, 30:]
+    eos = int(free[9])  # the 10th token becomes EOS: it falls inside an 8-token draft
+    reference = model.base_model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                         oda_mode="exact", max_draft=8, verify_threshold=math.inf)
+    assert torch.equal(out, reference) and out.shape[1] <= 30 + 10
+    for new in (1, 5, 7, 13):  # the cap in the middle of a draft
+        assert torch.equal(exact(model, ids, max_new_tokens=new, max_draft=8, verify_threshold=math.inf),
+                           stock(model, ids, max_new_tokens=new))
+
+
+def test_return_dict_and_routing_summary():
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(6))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, oda_mode="exact",
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock(model, ids, max_new_tokens=8))
+    assert "Full passes" in model.routing.summary() and model.routing.tokens_per_full_pass >= 1
+
+
+# -- the cache operations exact decoding relies on ----------------------------------------------------------
+
+
+def test_crop_restores_the_local_workspace_of_the_shorter_history():
+    """After crop, every workspace equals one derived afresh from the kept history (the ring had wrapped)."""
+    import copy
+
+    model = exact_model("qwen3")
+    model.set_routing(policy="local")
+    ids = torch.randint(3, 90, (2, 27), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row
+    cache = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    assert cache.get_seq_length() == 35
+    cache.crop(-5)
+    reference = copy.deepcopy(cache)
+    full_mask = torch.cat([mask, torch.ones(2, 30 - 27, dtype=mask.dtype)], dim=1)
+    reference.rebuild_workspace(full_mask, 2)
+    for cropped, fresh in zip(cache.global_layers, reference.global_layers):
+        assert cropped.seq_length == 30 and cropped.valid_count.tolist() == [30, 26]
+        assert torch.equal(cropped.valid_count, fresh.valid_count)
+        visible = fresh.local_visibility()
+        visible[:, -1] = False  # the current slot is scratch
+        for name in ("ws_keys", "ws_values"):
+            got, want = getattr(cropped, name).transpose(1, 2), getattr(fresh, name).transpose(1, 2)
+            assert torch.equal(got[visible], want[visible])
+
+
+def test_hybrid_recurrent_state_cannot_crop_but_rolls_back():
+    model = exact_model("qwen3_5")
+    cache = model.new_cache()
+    model.set_routing(policy="local")
+    model.generate(torch.randint(3, 90, (1, 12)), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                   past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot be cropped. Take an OdaCache.checkpoint"):
+        cache.crop(-1)
+
+
+# -- sampling: the speculative-sampling rule, and Full's distribution ---------------------------------------
+
+
+def independent_rule(drafts, p, q, accept_u, sample_u):
+    """The rule as written in Leviathan et al. / Chen et al., in numpy, for the same draws."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+
+    def draw(weights, u):
+        cumulative = np.cumsum(weights)
+        return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), len(weights) - 1))
+
+    for j, x in enumerate(drafts):
+        if accept_u[j] >= min(1.0, q[j, x] / p[j, x]):
+            residual = np.maximum(q[j] - p[j], 0.0)
+            return j, draw(residual if residual.sum() > 0 else q[j], sample_u[j])
+    if len(q) > len(drafts):
+        return len(drafts), draw(q[len(drafts)], sample_u[len(drafts)])
+    return len(drafts), None
+
+
+def test_speculative_rule_matches_an_independent_implementation():
+    rng = np.random.default_rng(0)
+    outcomes = set()
+    for trial in range(400):
+        vocab, k = int(rng.integers(2, 9)), int(rng.integers(0, 5))
+        p = rng.dirichlet(np.ones(vocab) * 0.7, size=k) if k else np.zeros((0, vocab))
+        q = rng.dirichlet(np.ones(vocab) * 0.7, size=k + int(rng.integers(0, 2)))
+        if len(q) < k:
+            continue
+        drafts = [int(rng.choice(vocab, p=p[j])) for j in range(k)]
+        accept_u, sample_u = rng.random(k).tolist(), rng.random(k + 1).tolist()
+        got = speculative_verify(drafts, torch.tensor(p), torch.tensor(q), accept_u, sample_u)
+        assert got == independent_rule(drafts, p, q, accept_u, sample_u)
+        outcomes.add(got[0] == k)
+    assert outcomes == {True, False}  # both accepted-all and rejected paths were exercised
+
+
+def test_greedy_rule_and_near_ties():
+    scores = torch.tensor([[0.0, 5.0, 1.0], [3.0, 3.00001, 0.0], [9.0, 0.0, 0.0]])
+    assert greedy_verify([1, 1], scores) == (2, 0, 1)  # both drafts kept, next from row 2; row 1 is a near-tie
+    assert greedy_verify([2, 1], scores) == (0, 1, 0)  # first draft replaced by Full's argmax
+    assert greedy_verify([1, 1, 0], scores) == (3, None, 1)
+    assert sample_from(torch.tensor([0.0, 0.5, 0.5]), 0.0) == 1 and sample_from(torch.tensor([0.2, 0.8]), 0.99) == 1
+
+
+def full_next_token_distribution(base, prefix, temperature):
+    with torch.no_grad():
+        logits = base(prefix).logits[0, -1] / temperature
+    return torch.softmax(logits.double(), dim=-1)
+
+
+def test_sampling_gives_full_distribution():
+    """Two tokens after a prompt past the window (temperature 0.2): the second is a Local draft verified by Full.
+    Over 3,000 runs, the mean log-likelihood ratio log(Full / Local) of the drawn token must be KL(Full || Local)
+    (about +0.15) within 5 standard errors; a rule that kept Local's draws would give -KL(Local || Full)."""
+    model = exact_model("qwen3")
+    base = model.base_model
+    prompt = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(9))
+    temperature, runs = 0.2, 3000
+    first = full_next_token_distribution(base, prompt, temperature)
+    full_second, local_second = torch.zeros_like(first), torch.zeros_like(first)
+    model.set_routing(policy="local")
+    for token in range(first.shape[0]):
+        if first[token] > 1e-9:
+            with_token = torch.cat([prompt, torch.tensor([[token]])], dim=1)
+            full_second += first[token] * full_next_token_distribution(base, with_token, temperature)
+            cache = model.new_cache()
+            with torch.no_grad():
+                model(input_ids=prompt, past_key_values=cache, use_cache=True)  # Full prefill, then a Local step
+                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+            local_second += first[token] * torch.softmax(logits[0, -1].double() / temperature, dim=-1)
+    log_ratio = (full_second / local_second).log()
+    kl_full_local = float((full_second * log_ratio).sum())
+    kl_local_full = float((local_second * -log_ratio).sum())
+    standard_error = float((full_second * (log_ratio - kl_full_local) ** 2).sum().sqrt()) / runs ** 0.5
+    assert kl_full_local + kl_local_full > 10 * standard_error  # the test can tell the two apart
+
+    model.set_routing(policy="head")
+    torch.manual_seed(0)
+    out = model.generate(prompt.repeat(runs, 1), max_new_tokens=2, do_sample=True, temperature=temperature,
+                         top_k=0, pad_token_id=0, oda_mode="exact", max_draft=1, verify_threshold=math.inf)
+    assert model.routing.total("drafted") == runs and 0 < model.routing.total("corrected") < runs
+    statistic = float(log_ratio[out[:, -1]].mean())
+    assert abs(statistic - kl_full_local) < 5 * standard_error, (statistic, kl_full_local, standard_error)
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    (dict(num_beams=2), ValueError, "is not supported with oda_mode='exact'"),
+    (dict(assistant_model="x"), ValueError, "generate(assistant_model=...) is not supported with oda_mode='exact'"),
+    (dict(max_draft=0), ValueError, "`max_draft` must be an integer >= 1"),
+    (dict(max_draft=2.5), TypeError, "`max_draft` must be an integer"),
+    (dict(verify_threshold=math.nan), ValueError, "`verify_threshold` must be a number"),
+    (dict(verify_threshold=-math.inf), ValueError, "verify every token"),
+    (dict(oda_mode="fast"), ValueError, "oda_mode must be 'approximate'"),
+    (dict(oda_fast=True), ValueError, "drop oda_fast=True"),
+    (dict(output_scores=True, return_dict_in_generate=True), ValueError, "output_scores / output_logits"),
+])
+def test_bad_exact_settings(kwargs, error, fragment):
+    model = exact_model("qwen3")
+    kwargs = {"oda_mode": "exact", **kwargs}
+    with pytest.raises(error) as info:
+        model.generate(torch.randint(3, 90, (1, 12)), max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_exact_needs_the_head_unless_drafts_are_fixed():
+    model = exact_model("qwen3")
+    model.set_routing(policy="local")
+    ids = torch.randint(3, 90, (1, 20))
+    with pytest.raises(ValueError, match="verifies when the recall head asks, but the routing policy is"):
+        exact(model, ids, max_new_tokens=4)
+    assert torch.equal(exact(model, ids, max_new_tokens=6, verify_threshold=math.inf, max_draft=3),
+                       stock(model, ids, max_new_tokens=6))
