@@ -46,7 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from .cli_common import UsageError
+from .cli_common import UsageError, user_input
+from .validation import MAX_SPAN, argument, integer, number
 
 # --- the paper's setting -------------------------------------------------------------------------
 
@@ -86,8 +87,8 @@ def head_param_count(hidden_size: int, head_width: int | None = None) -> int:
     RMSNorm(m) + gate/up Linear(m, 2m) + down Linear(2m, m); final RMSNorm(m) + Linear(m, 1, bias).
     The input variant does not change the count (missing streams reuse a tower input).
     """
-    d = int(hidden_size)
-    m = int(head_width) if head_width is not None else d // 2
+    d = integer("hidden_size", hidden_size, minimum=1)
+    m = integer("head_width", head_width if head_width is not None else d // 2, minimum=1)
     towers = 3 * (d + d * m + m)
     fusion = 9 * m * m + m
     blocks = 2 * (m + 2 * (m * 2 * m) + 2 * m * m)
@@ -108,7 +109,10 @@ def _read_head_config(path: str) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+        try:
+            return json.load(handle)
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}).") from None
 
 
 # --- model shapes --------------------------------------------------------------------------------
@@ -227,7 +231,27 @@ class ModelShape:
             # per_layer_model_projection: d -> L * p, once per token.
             model_macs = d * config.num_hidden_layers * config.hidden_size_per_layer_input
         name = getattr(config, "_name_or_path", "") or model_type or type(config).__name__
-        return cls(name, d, config.vocab_size, tuple(layers), model_macs)
+        shape = cls(name, d, config.vocab_size, tuple(layers), model_macs)
+        shape.check()
+        return shape
+
+    def check(self) -> None:
+        """Raise ValueError/TypeError naming the config field behind a size that is not a whole number >= 1 (or a
+        count >= 0): a hand-edited config with ``hidden_size: -5`` must not price negative FLOPs."""
+        integer("hidden_size", self.hidden_size, minimum=1)
+        integer("vocab_size", self.vocab_size, minimum=1)
+        integer("model-level multiply-adds", self.model_macs, minimum=0)
+        if not self.layers:
+            raise ValueError("The config has no decoder layers (num_hidden_layers must be >= 1).")
+        for layer in self.layers:
+            where = f"layer {layer.index}"
+            integer(f"{where} multiply-adds (hidden/intermediate sizes)", layer.macs, minimum=0)
+            if layer.kind in _ATTENTION_KINDS:
+                integer(f"{where} num_attention_heads", layer.query_heads, minimum=1)
+                integer(f"{where} head_dim", layer.head_dim, minimum=1)
+                integer(f"{where} num_key_value_heads", layer.kv_heads, minimum=1)
+            if layer.kind in ("sliding_attention", "chunked_attention"):
+                integer(f"{where} sliding_window / attention_chunk_size", layer.span, minimum=1)
 
     # -- cost terms -------------------------------------------------------------------------------
     @property
@@ -272,7 +296,10 @@ def _load_config(config):
             config = AutoConfig.from_pretrained(path)
         elif os.path.isfile(path):
             with open(path, encoding="utf-8") as handle:
-                config = json.load(handle)
+                try:
+                    config = json.load(handle)
+                except ValueError as err:
+                    raise ValueError(f"{path} is not valid JSON ({err}).") from None
         else:
             raise FileNotFoundError(f"No transformers config at {path!r} (give a config.json or its folder).")
     if isinstance(config, dict):
@@ -349,11 +376,30 @@ def _per_layer_input_macs(config, model_type) -> int:
 
 # --- schedules and the ledger --------------------------------------------------------------------
 
+_BLOCK = 1 << 16  # routed steps per numpy block in `CostLedger.sequence_totals`
+
+
+def _count(name: str, value, minimum: int, maximum: int = MAX_SPAN, meaning: str = "") -> int:
+    """An integer length or count in [minimum, maximum] (ValueError/TypeError naming it otherwise)."""
+    return integer(name, value, minimum=minimum, maximum=maximum, meaning=meaning)
+
+
+def _reads(kind: str, span, n, local_range):
+    """`LayerShape.positions_read` for a numpy array of history lengths."""
+    import numpy as np
+
+    if kind == "full_attention":
+        return n if local_range is None else np.minimum(n, local_range)
+    if kind == "sliding_attention":
+        return np.minimum(n, span)
+    return (n - 1) % span + 1  # chunked_attention
+
 
 def schedule_first_k(k: int, period: int, steps: int) -> list[bool]:
     """Full on the first `k` of every `period` routed steps (``a_t`` for ``t = 1..steps``), as in the paper."""
-    if period < 1 or not 0 <= k <= period:
+    if not isinstance(period, int) or not isinstance(k, int) or period < 1 or not 0 <= k <= period:
         raise ValueError(f"Need period >= 1 and 0 <= k <= period; got k={k}, period={period}.")
+    steps = _count("steps", steps, 0)
     return [(t - 1) % period < k for t in range(1, steps + 1)]
 
 
@@ -408,9 +454,9 @@ class CostLedger:
 
     def __init__(self, shape: ModelShape, head_params: int, sinks: int = DEFAULT_SINKS,
                  window: int = DEFAULT_WINDOW):
-        if sinks < 0 or window < 1:
-            raise ValueError(f"Need sinks >= 0 and window >= 1; got sinks={sinks}, window={window}.")
-        self.shape, self.head_params, self.sinks, self.window = shape, int(head_params), sinks, window
+        sinks, window = _count("sinks", sinks, 0), _count("window", window, 1)
+        head_params = integer("head_params", head_params, minimum=0)
+        self.shape, self.head_params, self.sinks, self.window = shape, head_params, sinks, window
 
     @classmethod
     def qwen3_1_7b(cls, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW) -> "CostLedger":
@@ -436,6 +482,44 @@ class CostLedger:
     def _steps(self, input_len: int, count: int):
         return (self.step_costs(input_len + t) for t in range(1, count + 1))
 
+    def sequence_totals(self, input_len: int, steps: int, period: int = 1,
+                        full_steps: Sequence[int] = ()) -> tuple[int, int, list[tuple[int, int]]]:
+        """``(F_Full, F_Local, [(recalled steps, F_ODA) per k in full_steps])`` over routed steps ``t = 1..steps``
+        after an `input_len`-token prompt, ODA with Full on the first ``k`` of every `period` steps.
+
+        Exact integers, equal to summing `step_costs` step by step, but in bounded memory and time: only the
+        attention reads depend on the step, and they are summed per layer group in blocks of steps (numpy
+        int64 partial sums of positions, far from overflow; the FLOPs products are Python integers)."""
+        import numpy as np
+
+        input_len = _count("input_len", input_len, 0)
+        steps, period = _count("steps", steps, 0), _count("period", period, 1)
+        ks = [_count("k", k, 0, period) for k in full_steps]
+        groups: dict[tuple[str, int | None], int] = {}  # (kind, span) -> FLOPs per position read
+        for layer in self.shape.layers:
+            if layer.kind in _ATTENTION_KINDS and layer.head_dim * layer.query_heads:
+                key = (layer.kind, layer.span)
+                groups[key] = groups.get(key, 0) + 4 * layer.head_dim * layer.query_heads
+        full_reads = local_reads = 0
+        scheduled, recalled = [0] * len(ks), [0] * len(ks)
+        for start in range(1, steps + 1, _BLOCK):
+            t = np.arange(start, min(steps, start + _BLOCK - 1) + 1, dtype=np.int64)
+            n, phase = input_len + t, (t - 1) % period
+            masks = [phase < k for k in ks]
+            for i, mask in enumerate(masks):
+                recalled[i] += int(mask.sum())
+            for (kind, span), flops_per_read in groups.items():
+                full, local = _reads(kind, span, n, None), _reads(kind, span, n, self.local_range)
+                full_reads += flops_per_read * int(full.sum())
+                local_reads += flops_per_read * int(local.sum())
+                for i, mask in enumerate(masks):
+                    scheduled[i] += flops_per_read * int(full[mask].sum())
+        b, o, r = self.shape.backbone_flops, self.shape.output_flops, self.head_flops
+        full_total = steps * (b + o) + full_reads
+        local_total = steps * (b + o) + local_reads
+        oda = [(m, steps * (b + r + o) + local_reads + m * b + extra) for m, extra in zip(recalled, scheduled)]
+        return full_total, local_total, oda
+
     def sequence_flops(self, method: str, input_len: int, schedule: Sequence[bool] | int) -> int:
         """Total FLOPs of the routed steps after an `input_len`-token prompt.
 
@@ -444,7 +528,10 @@ class CostLedger:
         """
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}; got {method!r}.")
-        calls = [False] * schedule if isinstance(schedule, int) else [bool(a) for a in schedule]
+        if isinstance(schedule, int):  # a count: no per-step list (it may be millions of steps)
+            full, local, ((_, oda),) = self.sequence_totals(input_len, schedule, 1, [0])
+            return {"full": full, "local": local, "oda": oda}[method]
+        calls = [bool(a) for a in schedule]
         total = 0
         for step, recall in zip(self._steps(input_len, len(calls)), calls):
             total += step.full if method == "full" else step.local if method == "local" else step.oda(recall)
@@ -454,7 +541,8 @@ class CostLedger:
     def speed_model(self, n: int, rho: float, d_full: float = 0.0, d_oda: float = 0.0) -> tuple[float, float]:
         """``(T_F(n), T_ODA(n, rho))`` with ``T_F = B + A(n) + O + D_F`` and
         ``T_ODA = B + A(l) + R + rho [B + A(n)] + O + D_ODA`` (costs in FLOPs; overheads in the same unit)."""
-        c = self.step_costs(n)
+        number("rho", rho, meaning="a recall rate")
+        c = self.step_costs(integer("n", n, minimum=1))
         t_full = c.backbone + c.attention_full + c.output + d_full
         t_oda = c.backbone + c.attention_local + c.head + rho * (c.backbone + c.attention_full) + c.output + d_oda
         return t_full, t_oda
@@ -496,18 +584,17 @@ class CostLedger:
                     full_steps: Sequence[int] = PAPER_FULL_STEPS) -> list[FlopsRow]:
         """Rows Full, Local, then ODA at each ``k`` (Full on the first ``k`` of every `period`
         routed steps), per input length; a `continuation` of N tokens has ``N - 1`` routed steps."""
+        continuation = _count("continuation", continuation, 2, meaning="a continuation of N tokens has N - 1 "
+                              "routed steps")
         steps = continuation - 1
-        if steps < 1:
-            raise ValueError(f"A continuation needs at least 2 tokens to have a routed step; got {continuation}.")
-        schedules = [schedule_first_k(k, period, steps) for k in full_steps]
+        period = _count("period", period, 1)
+        full_steps = [_count("full_steps", k, 0, period) for k in full_steps]
         rows = []
         for input_len in input_lengths:
-            costs = list(self._steps(input_len, steps))  # computed once, shared by every method
-            full = sum(c.full for c in costs)
-            totals = [("Full", 100.0, full), ("Local", 0.0, sum(c.local for c in costs))]
-            for schedule in schedules:
-                share = 100.0 * sum(schedule) / steps
-                totals.append(("ODA", share, sum(c.oda(a) for c, a in zip(costs, schedule))))
+            input_len = _count("input_lengths", input_len, 1)
+            full, local, oda = self.sequence_totals(input_len, steps, period, full_steps)
+            totals = [("Full", 100.0, full), ("Local", 0.0, local)]
+            totals += [("ODA", 100.0 * recalled / steps, flops) for recalled, flops in oda]
             for method, share, flops in totals:
                 saved = float(100 * (1 - Fraction(flops, full)))
                 rows.append(FlopsRow(input_len, method, share, flops, saved, full / flops))
@@ -729,7 +816,7 @@ class BatchCostModel:
             return base + attention.scaled(rate) + self._linear(rows).scaled(p_any)
         linear = _ZERO
         for k in range(1, rows + 1):
-            linear = linear + self._linear(k).scaled(math.comb(rows, k) * rate ** k * (1.0 - rate) ** (rows - k))
+            linear = linear + self._linear(k).scaled(_binomial(rows, k, rate))
         return base + attention.scaled(rate) + linear
 
     def speedup(self, lengths: Sequence[int], rate: float, mode: str) -> float:
@@ -741,11 +828,18 @@ class BatchCostModel:
         return self.full_step(lengths).flops / self.oda_step_expected(lengths, rate, mode).flops
 
 
+def _binomial(n: int, k: int, p: float) -> float:
+    """P(Binomial(n, p) = k); in log space where comb(n, k) would overflow a float (batches above ~1,000 rows)."""
+    if n <= 1000 or p in (0.0, 1.0):
+        return math.comb(n, k) * p ** k * (1.0 - p) ** (n - k)
+    log = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+    return math.exp(log)
+
+
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
-    lengths = [int(n) for n in lengths]
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"Need at least one row and history lengths >= 1 (current token included); got {lengths}.")
-    return lengths
+    if not lengths:
+        raise ValueError("Need at least one row and history lengths >= 1 (current token included); got [].")
+    return [_count("history lengths", n, 1, meaning="current token included") for n in lengths]
 
 
 def _check_mode(mode: str) -> None:
@@ -807,14 +901,23 @@ def format_batch_table(rows: Sequence[BatchRow]) -> str:
 # --- `oda flops` -------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+MAX_LIST = 4096  # entries of one comma-separated flag (a table row or a batch row each)
+MAX_BATCH = 1 << 16  # rows of one batch
+
+
+def _list(check, name: str, **bounds):
+    """argparse type for a comma-separated list of values, each checked like a single flag value."""
+    parse = argument(check, name, **bounds)
+
+    def convert(text: str) -> list:
+        parts = text.split(",")
+        if not text.strip() or any(not part.strip() for part in parts):
+            raise argparse.ArgumentTypeError(f"expected comma-separated values without empty entries; got {text!r}.")
+        if len(parts) > MAX_LIST:
+            raise argparse.ArgumentTypeError(f"at most {MAX_LIST} values; got {len(parts)}.")
+        return [parse(part.replace("_", "") if check is integer else part) for part in parts]
+
+    return convert
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -823,55 +926,84 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         "flops", help="analytical FLOPs of Full, Local and scheduled ODA decoding (paper's FLOPs table)",
         description="Major-operation FLOPs ledger of the paper (2 FLOPs per multiply-add, matrix products "
                     "only). Without --config: Qwen3-1.7B and the paper's seven input lengths.")
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", type=_path, default=None,
                         help="a transformers config.json (or its folder); default: built-in Qwen3-1.7B shapes")
-    parser.add_argument("--head-config", default=None,
+    parser.add_argument("--head-config", type=_path, default=None,
                         help="recall head config.json (or its folder); default: width hidden_size // 2")
-    parser.add_argument("--input-lengths", type=_int_list, default=None,
+    parser.add_argument("--input-lengths", type=_list(integer, "input-lengths", minimum=1, maximum=MAX_SPAN),
+                        default=None,
                         help="comma-separated prompt lengths (default: the paper's 4139,...,516788)")
-    parser.add_argument("--continuation", type=int, default=PAPER_CONTINUATION,
+    parser.add_argument("--continuation", type=argument(integer, "continuation", minimum=2, maximum=MAX_SPAN),
+                        default=PAPER_CONTINUATION,
                         help="generated tokens incl. the prefill output (routed steps = N - 1; default 1009)")
-    parser.add_argument("--period", type=int, default=PAPER_PERIOD, help="schedule period (default 16)")
-    parser.add_argument("--full-steps", type=_int_list, default=list(PAPER_FULL_STEPS),
+    parser.add_argument("--period", type=argument(integer, "period", minimum=1, maximum=MAX_SPAN), default=PAPER_PERIOD,
+                        help="schedule period (default 16)")
+    parser.add_argument("--full-steps", type=_list(integer, "full-steps", minimum=0, maximum=MAX_SPAN),
+                        default=list(PAPER_FULL_STEPS),
                         help="Full on the first k of every period, one ODA row per k (default 2,4,8)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's or 2048)")
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0, maximum=MAX_SPAN), default=None,
+                        help="sink positions s (default: the head's or 4)")
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1, maximum=MAX_SPAN), default=None,
+                        help="recent window w (default: the head's or 2048)")
     parser.add_argument("--format", choices=("markdown", "plain"), default="markdown", dest="table_format",
                         help="table style (default markdown)")
     batch = parser.add_argument_group(
         "batch economics", "per-step FLOPs, bytes and roofline latency for a batch of rows (docs/serving.md); "
                            "given --batch or --histories, these replace the sequence table")
-    batch.add_argument("--batch", type=_int_list, default=None, help="comma-separated batch sizes, e.g. 1,8,64")
-    batch.add_argument("--history", type=int, default=None, help="history length n of every row (with --batch)")
-    batch.add_argument("--histories", type=_int_list, default=None,
+    batch.add_argument("--batch", type=_list(integer, "batch"), default=None,
+                       help="comma-separated batch sizes, e.g. 1,8,64")
+    batch.add_argument("--history", type=argument(integer, "history", minimum=1, maximum=MAX_SPAN), default=None,
+                       help="history length n of every row (with --batch)")
+    batch.add_argument("--histories", type=_list(integer, "histories", minimum=1, maximum=MAX_SPAN), default=None,
                        help="one history length per row (continuous batching; the batch is their count)")
-    batch.add_argument("--rate", type=_float_list, default=[0.125, 0.25, 0.5],
+    batch.add_argument("--rate", type=_list(number, "rate"), default=[0.125, 0.25, 0.5],
                        help="per-row Full-call probability rho, comma-separated (default 0.125,0.25,0.5)")
     batch.add_argument("--mode", choices=(*BATCH_MODES, "all"), default="all",
                        help="Full retry for the whole batch when any row recalls (whole), for the recalling rows "
                             "only (rows), or all rows' projections with only the recalling rows' attention (masked)")
     batch.add_argument("--hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
                        help=f"roofline peak and bandwidth (default {DEFAULT_HARDWARE})")
-    batch.add_argument("--pass-overhead-us", type=float, default=0.0,
+    batch.add_argument("--pass-overhead-us", type=argument(number, "pass-overhead-us", minimum=0.0), default=0.0,
                        help="fixed microseconds per backbone pass (launch/bookkeeping; default 0)")
     parser.set_defaults(func=run_cli)
     return parser
 
 
-def _float_list(text: str) -> list[float]:
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file or folder path; got an empty string.")
+    return text
+
+
+def _as_value_error(function, *args):
+    """`function(*args)`, with the TypeError/KeyError/AttributeError of a malformed file read as ValueError."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
+        return function(*args)
+    except (TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"malformed ({type(err).__name__}: {err})") from None
+
+
+def _head_shape(path: str) -> dict:
+    """The fields of a head config.json that the ledger reads, checked (a corrupt or hand-edited file is a
+    one-line error naming the field, never negative FLOPs)."""
+    head = _read_head_config(path)
+    if not isinstance(head, dict):
+        raise ValueError(f"{path} must hold a JSON object; got {type(head).__name__}.")
+    checked = {}
+    for key, minimum in (("hidden_size", 1), ("head_width", 1), ("sinks", 0), ("window", 1)):
+        if head.get(key) is not None:
+            checked[key] = integer(f"config.json: {key}", head[key], minimum=minimum, maximum=MAX_SPAN)
+    return checked
 
 
 def run_cli(args) -> int:
     """Print the model's cost terms and the FLOPs table for `args` (from `add_cli`'s parser)."""
-    shape = ModelShape.qwen3_1_7b() if args.config is None else ModelShape.from_config(args.config)
-    head = _read_head_config(args.head_config) if args.head_config else {}
+    with user_input(f"--config {args.config}", "give a transformers config.json or its folder"):
+        shape = ModelShape.qwen3_1_7b() if args.config is None else _as_value_error(ModelShape.from_config, args.config)
+    head = {}
+    if args.head_config:
+        with user_input(f"--head-config {args.head_config}", "give a recall head's config.json or its folder"):
+            head = _as_value_error(_head_shape, args.head_config)
     head_hidden = head.get("hidden_size", shape.hidden_size)
     if head_hidden != shape.hidden_size:
         raise UsageError(f"the head reads hidden size {head_hidden}, the model has {shape.hidden_size}.")
@@ -910,6 +1042,8 @@ def _run_batch_cli(args, ledger: CostLedger) -> int:
     lengths = args.histories if args.histories is not None else [args.history]
     if min(lengths) < 1 or (args.batch is not None and min(args.batch) < 1):
         raise UsageError("batch sizes and history lengths must be >= 1.")
+    if max(args.batch or [0]) > MAX_BATCH or len(lengths) > MAX_BATCH:
+        raise UsageError(f"at most {MAX_BATCH:,} rows per batch; got {max(max(args.batch or [0]), len(lengths)):,}.")
     if not all(0.0 <= rate <= 1.0 for rate in args.rate):
         raise UsageError(f"--rate values are probabilities in [0, 1]; got {args.rate}.")
     if args.pass_overhead_us < 0:

@@ -260,16 +260,30 @@ def _processed(request, prefix: list[int], logits: torch.Tensor) -> torch.Tensor
     return request.processors(ids, logits.float()[None])[0]
 
 
-def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
-                row: int) -> list[int]:
-    max_new, sampling = request.max_new_tokens, request.do_sample
-    cache = model.new_cache(max_cache_len=prompt.numel() + max_new + settings.max_draft + 1)
+def new_exact_cache(model, max_cache_len: int) -> OdaCache:
+    """An `OdaCache` for exact decoding: window layers keep the positions a verification may crop back over."""
+    cache = model.new_cache(max_cache_len=max_cache_len)
     for layer in cache.layers:
         if isinstance(layer, OdaSlidingWindowLayer):
-            layer.activate_past_recording()  # verification crops back over positions a window layer evicts
-    final = prompt.tolist()
+            layer.activate_past_recording()
+    return cache
+
+
+def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
+                row: int) -> list[int]:
+    cache = new_exact_cache(model, prompt.numel() + request.max_new_tokens + settings.max_draft + 1)
+    hidden = _full_pass(model, cache, prompt.tolist(), start=0)
+    return decode_after_prefill(model, cache, prompt.tolist(), hidden[-1:], request, settings, eos, record, row)
+
+
+def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden: torch.Tensor, request,
+                         settings: _Settings, eos: set, record: ExactRecord, row: int = 0) -> list[int]:
+    """Exact decoding of one row whose prompt is already in `cache` (Full KV; `last_hidden` ``[1, hidden]`` is the
+    final hidden state of its last position). Returns the new tokens; counts go to `record` row `row`."""
+    max_new, sampling = request.max_new_tokens, request.do_sample
+    final = list(prompt)
     length = len(final)
-    hidden = _full_pass(model, cache, final, start=0)
+    hidden = last_hidden
     cache.selected_hidden = hidden[-1:]
 
     def choose(scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:

@@ -34,6 +34,12 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside `path`; when the block ends normally it is synced and renamed to `path`.
@@ -49,6 +55,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
                                      dir=folder or ".")
     os.close(fd)
     try:
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a published file follows the umask
         yield temporary
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())

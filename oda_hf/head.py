@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
+
+from .validation import MAX_SPAN, integer, number
 
 logger = logging.get_logger(__name__)
 
@@ -27,6 +30,15 @@ INPUT_VARIANTS = {
     "EL": ("E", "E", "L"),
     "HEL": ("H", "E", "L"),
 }
+
+
+#: Largest accepted hidden size / head width: above any model's hidden size, far below where a typo (1e9)
+#: would try to allocate the head.
+MAX_WIDTH = 1 << 20
+
+
+def _optional(check, name, value, **bounds):
+    return None if value is None else check(name, value, **bounds)
 
 
 class RecallHeadConfig(PretrainedConfig):
@@ -65,22 +77,43 @@ class RecallHeadConfig(PretrainedConfig):
         tau_hist: float | None = None,
         **kwargs,
     ):
-        if input_variant not in INPUT_VARIANTS:
-            raise ValueError(f"input_variant must be one of {sorted(INPUT_VARIANTS)}; got {input_variant!r}.")
-        self.hidden_size = hidden_size
-        self.head_width = head_width if head_width is not None else hidden_size // 2
+        try:
+            self._set_checked(hidden_size, head_width, input_variant, rms_norm_eps, initializer_range,
+                              base_model_name_or_path, base_model_revision, base_vocab_size, base_fingerprint, sinks,
+                              window, oda_lambda, tau_hist)
+        except TypeError as err:  # as OdaConfig: a wrong type in config.json is a bad value to its readers
+            raise ValueError(str(err)) from None
+        super().__init__(**kwargs)
+
+    def _set_checked(self, hidden_size, head_width, input_variant, rms_norm_eps, initializer_range,
+                     base_model_name_or_path, base_model_revision, base_vocab_size, base_fingerprint, sinks, window,
+                     oda_lambda, tau_hist) -> None:
+        # Checked here, so that a hand-edited or corrupt head config.json fails in one line naming the field
+        # instead of deep inside nn.Linear (a width of 0 or -3) or at the first forward (NaN eps).
+        if not isinstance(input_variant, str) or input_variant not in INPUT_VARIANTS:
+            raise ValueError(f"`input_variant` must be one of {sorted(INPUT_VARIANTS)}; got {input_variant!r}.")
+        self.hidden_size = integer("hidden_size", hidden_size, minimum=1, maximum=MAX_WIDTH)
+        if head_width is None:
+            head_width = self.hidden_size // 2
+            if head_width < 1:
+                raise ValueError(f"`hidden_size` {hidden_size} is too small for the default head width hidden_size "
+                                 "// 2; give head_width >= 1.")
+        self.head_width = integer("head_width", head_width, minimum=1, maximum=MAX_WIDTH)
         self.input_variant = input_variant
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
+        self.rms_norm_eps = number("rms_norm_eps", rms_norm_eps, minimum=0.0, exclusive_minimum=True)
+        self.initializer_range = number("initializer_range", initializer_range, minimum=0.0)
+        for name, value in (("base_model_name_or_path", base_model_name_or_path),
+                            ("base_model_revision", base_model_revision), ("base_fingerprint", base_fingerprint)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"`{name}` must be a string or None; got {value!r} ({type(value).__name__}).")
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_revision = base_model_revision
-        self.base_vocab_size = base_vocab_size
+        self.base_vocab_size = _optional(integer, "base_vocab_size", base_vocab_size, minimum=1)
         self.base_fingerprint = base_fingerprint
-        self.sinks = sinks
-        self.window = window
-        self.oda_lambda = oda_lambda
-        self.tau_hist = tau_hist
-        super().__init__(**kwargs)
+        self.sinks = _optional(integer, "sinks", sinks, minimum=0, maximum=MAX_SPAN)
+        self.window = _optional(integer, "window", window, minimum=1, maximum=MAX_SPAN)
+        self.oda_lambda = _optional(number, "oda_lambda", oda_lambda, minimum=0.0)
+        self.tau_hist = _optional(number, "tau_hist", tau_hist)
 
     @classmethod
     def for_base(cls, base, **kwargs) -> "RecallHeadConfig":
@@ -294,12 +327,30 @@ class RecallHead(PreTrainedModel):
 
     # -- saving and publishing --------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, model_card_fields: dict | None = None, **kwargs):
-        """config.json + model.safetensors, and README.md generated from `model_cards/recall_head.md`."""
-        super().save_pretrained(save_directory, *args, **kwargs)
+        """config.json + model.safetensors, and README.md generated from `model_cards/recall_head.md`.
+
+        Complete or not at all: the files are written into a staging folder beside `save_directory` and moved
+        in with config.json last (removed first), so a run killed mid-save never leaves a head that loads
+        half-written (e.g. a 0-byte config.json)."""
+        from .files import publish_files, staging_folder
+
+        if os.path.isfile(save_directory):
+            raise ValueError(f"{save_directory} is a file: save the recall head to a folder (a new or existing one).")
+        staging = staging_folder(save_directory)
+        try:
+            self.save_files(staging, *args, model_card_fields=model_card_fields, **kwargs)
+            publish_files(staging, save_directory, marker="config.json")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def save_files(self, directory, *args, model_card_fields: dict | None = None, **kwargs):
+        """What `save_pretrained` publishes, written straight into `directory` (for callers that stage a folder
+        of more files themselves, as OdaTrainer does)."""
+        super().save_pretrained(directory, *args, **kwargs)
         if int(os.environ.get("RANK", "0")) == 0:
             from .model_card import write_head_model_card
 
-            write_head_model_card(self, save_directory, extra=model_card_fields)
+            write_head_model_card(self, directory, extra=model_card_fields)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload what `save_pretrained` writes (keeping ODA's generated model card)."""

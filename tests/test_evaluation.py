@@ -823,7 +823,7 @@ def test_cli_eval_and_diagnose(tmp_path):
     rerun = [a if a != "4" else "5" for a in ["eval", *common, "--data", str(suite), "--policies", "full", "--out",
                                              str(out), "--no-progress"]]
     args = parser.parse_args(rerun)  # --window 5 into the same --out
-    with pytest.raises(ValueError, match="window: 4 there, 5 now"):
+    with pytest.raises(UsageError, match="window: 4 there, 5 now"):  # a user error: one line, exit status 2
         args.func(args)
     for name in ("report.md", "quality_vs_rate.png", "per_task.png", "trajectories/niah_single_1_0.html"):
         assert (out / name).exists()

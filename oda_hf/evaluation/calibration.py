@@ -31,7 +31,9 @@ import math
 import os
 from collections.abc import Sequence
 
+from ..files import write_json
 from .report import summarize
+from ..validation import integer, number
 from .runner import evaluate, full, oda
 
 #: Head scores are ``T(g - lambda)``-scaled NLL gains: dense near 0, retrieval steps well above.
@@ -94,13 +96,12 @@ def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.Pat
                          "(allowed dev score loss against Full, in points).")
     if target_rate is not None:
         _check_rate(target_rate)
-    elif not (math.isfinite(within_full) and within_full >= 0):
-        raise ValueError(f"within_full is a score tolerance in points, >= 0; got {within_full!r}.")
-    grid = sorted({_rounded(float(t)) for t in grid})
-    if not grid or not all(math.isfinite(t) for t in grid):
-        raise ValueError(f"The threshold grid must be a non-empty list of finite numbers; got {grid!r}.")
-    if refine_steps < 0:
-        raise ValueError(f"refine_steps must be >= 0; got {refine_steps}.")
+    else:
+        number("within_full", within_full, minimum=0, meaning="a score tolerance in points")
+    grid = sorted({_rounded(number("grid threshold", t)) for t in grid})
+    if not grid:
+        raise ValueError("The threshold grid must be a non-empty list of finite numbers; got none.")
+    integer("refine_steps", refine_steps, minimum=0)
     if not dev_examples:
         raise ValueError("No dev prompt to calibrate on.")
     _check_same_inputs(output_dir, provenance or {})
@@ -147,8 +148,7 @@ def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.Pat
                           "pooled_full_call_rate": test["pooled_full_call_rate"],
                           "task_averaged_full_call_rate": test["task_averaged_full_call_rate"],
                           "macro_score": test["macro_score"]}
-    with open(os.path.join(output_dir, CALIBRATION_NAME), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(output_dir, CALIBRATION_NAME), result, indent=1)
     return result
 
 
@@ -157,14 +157,19 @@ def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> None:
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, INPUTS_NAME)
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            before = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                before = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): delete it or use a new output folder.") from None
+        if not isinstance(before, dict):
+            raise ValueError(f"{path} is not a calibration inputs file (a JSON object): delete it or use a new "
+                             "output folder.")
         differing = [k for k in set(before) | set(provenance) if before.get(k) != provenance.get(k)]
         if differing:
             raise ValueError(f"{output_dir} holds calibration records made with other inputs ({sorted(differing)} "
                              "differ): use a new output folder.")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(provenance, f, indent=1)
+    write_json(path, provenance, indent=1)
 
 
 def save_calibration(head_dir: str | os.PathLike, oda_config, result: dict) -> str:
@@ -177,7 +182,6 @@ def save_calibration(head_dir: str | os.PathLike, oda_config, result: dict) -> s
                                 "head's folder (download the head first, or skip writing).")
     OdaConfig.from_kwargs(oda_config, threshold=float(result["chosen"]["threshold"]), policy="head") \
         .save_pretrained(head_dir)
-    with open(os.path.join(head_dir, CALIBRATION_NAME), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(head_dir, CALIBRATION_NAME), result, indent=1)
     return os.path.join(head_dir, ODA_CONFIG_NAME)
 

@@ -8,12 +8,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
+from collections.abc import Iterator
 
-from ..cli_common import (UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype,
-                          user_input)
+from ..cli_common import (UsageError, dtype_name, first_line, load_tokenizer, require_model_source, require_paths,
+                          torch_dtype, user_input)
+from ..files import output_lock
 from ..known_models import base_argument, head_argument
+from ..validation import argument, integer, number, probability
 
 RESULTS_FILE = "results.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -26,31 +31,34 @@ def add_cli(subparsers) -> None:
         "eval", help="generation quality against Full-call rate (Full, StreamingLLM, ODA, Random, schedules)",
         description="Greedy generation of every policy on a task suite; writes results.jsonl (resumable), "
                     "manifest.json (the settings of the run), report.md and plots into --out. A rerun into the same "
-                    "--out reuses finished records only if they were made with the same settings.")
+                    "--out reuses finished records only if they were made with the same settings; records whose "
+                    "answers, task or metric changed are rescored from their stored outputs.")
     _model_arguments(evaluate, required=False)
     evaluate.add_argument("--suite", choices=("jsonl", "ruler", "longbench"), default="jsonl",
                           help="jsonl: {id, task, prompt, answers, max_new_tokens} records; ruler: RULER's generated "
                                "files; longbench: LongBench v1 files (default: jsonl)")
     evaluate.add_argument("--data", nargs="+", help="suite files or directories")
     evaluate.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
-    evaluate.add_argument("--limit", type=int, default=None, help="first N examples per task")
-    evaluate.add_argument("--max-new-tokens", type=int, default=None,
+    evaluate.add_argument("--limit", type=argument(integer, "limit", minimum=1), default=None,
+                          help="first N examples per task")
+    evaluate.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=None,
                           help="output cap for every example (default: the suite's per-task caps; the paper uses 512)")
-    evaluate.add_argument("--max-input-tokens", type=int, default=None,
+    evaluate.add_argument("--max-input-tokens", type=argument(integer, "max-input-tokens", minimum=2), default=None,
                           help="LongBench input budget with middle truncation (the paper uses 40960)")
     evaluate.add_argument("--chat-template", action="store_true",
                           help="wrap prompts in the tokenizer's chat template (thinking disabled)")
     evaluate.add_argument("--policies", nargs="+", default=["full", "local", "oda"], type=_policy_word,
                           help="any of: full, local (StreamingLLM), oda, random (matched to each ODA threshold), "
                                "random:P (fixed probability), schedule:K:PERIOD (default: full local oda)")
-    evaluate.add_argument("--thresholds", nargs="+", type=float, default=None,
+    evaluate.add_argument("--thresholds", nargs="+", type=argument(number, "thresholds"), default=None,
                           help="ODA thresholds (default: the head's configured threshold)")
     evaluate.add_argument("--paper-sweep", action="store_true",
                           help="ODA thresholds -0.01 -0.005 -0.001 0 0.001 0.005 0.01 0.05")
-    evaluate.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44], help="Random seeds (default 42 43 44)")
-    evaluate.add_argument("--primary-threshold", type=float, default=None,
+    evaluate.add_argument("--seeds", nargs="+", type=argument(integer, "seeds", minimum=0), default=[42, 43, 44],
+                          help="Random seeds (default 42 43 44)")
+    evaluate.add_argument("--primary-threshold", type=argument(number, "primary-threshold"), default=None,
                           help="the ODA threshold of the main table (default: 0 if run, else the first)")
-    evaluate.add_argument("--trajectories", type=int, default=0,
+    evaluate.add_argument("--trajectories", type=argument(integer, "trajectories", minimum=0), default=0,
                           help="render this many ODA trajectories per task (HTML + PNG) at the primary threshold")
     evaluate.add_argument("--separate-prefills", action="store_true",
                           help="prefill each prompt once per policy instead of once for all (same results, slower; "
@@ -75,17 +83,21 @@ def add_cli(subparsers) -> None:
                     "the head and Local-confidence baselines; writes positions.jsonl (resumable), diagnostics.md, "
                     "diagnostics.json and budget_curve.png into --out.")
     _model_arguments(diagnose, required=False)
-    diagnose.add_argument("--threshold", type=float, default=None, help="head threshold for --history selected")
+    diagnose.add_argument("--threshold", type=argument(number, "threshold"), default=None,
+                          help="head threshold for --history selected")
     diagnose.add_argument("--data", help="JSONL of reference sequences: {id, input_ids | text[, start, count]}")
     diagnose.add_argument("--history", choices=("selected", "full"), default="selected",
                           help="commit the head's branch (paper protocol; default) or always Full")
-    diagnose.add_argument("--positions", type=int, default=None,
+    diagnose.add_argument("--positions", type=argument(integer, "positions", minimum=1), default=None,
                           help="positions per sequence from the first eligible one (the paper uses 128)")
-    diagnose.add_argument("--budget", type=float, default=0.4, help="main offline budget (default 0.4)")
-    diagnose.add_argument("--budgets", nargs="+", type=float, default=None,
-                          help="budget grid of the curves (default 0, 0.05, ..., 1)")
-    diagnose.add_argument("--bootstrap", type=int, default=2000, help="document-bootstrap resamples (default 2000)")
-    diagnose.add_argument("--seed", type=int, default=20260910, help="bootstrap seed (default: the paper's)")
+    diagnose.add_argument("--budget", type=argument(probability, "budget"), default=0.4,
+                          help="main offline budget, a fraction in [0, 1] (default 0.4)")
+    diagnose.add_argument("--budgets", nargs="+", type=argument(probability, "budgets"), default=None,
+                          help="budget grid of the curves, fractions in [0, 1] (default 0, 0.05, ..., 1)")
+    diagnose.add_argument("--bootstrap", type=argument(integer, "bootstrap", minimum=0), default=2000,
+                          help="document-bootstrap resamples, 0 for none (default 2000)")
+    diagnose.add_argument("--seed", type=argument(integer, "seed", minimum=0), default=20260910,
+                          help="bootstrap seed (default: the paper's)")
     diagnose.add_argument("--out", required=True, help="output directory")
     diagnose.add_argument("--report-only", action="store_true",
                           help="no model: rebuild the report from --out/positions.jsonl")
@@ -98,18 +110,48 @@ def _model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--base", type=base_argument, required=required, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2)")
     parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default: the head's or 4)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w incl. the current token")
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0), default=None,
+                        help="sink positions s (default: the head's or 4)")
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1), default=None,
+                        help="recent window w incl. the current token")
     parser.add_argument("--dtype", type=dtype_name, default="float32",
                         help="base model dtype: float32|fp32, bfloat16|bf16, float16|fp16 or auto (default float32)")
 
 
 def _policy_word(text: str) -> str:
-    kind = text.split(":", 1)[0]
-    if kind not in ("full", "local", "streamingllm", "oda", "random", "schedule"):
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {text!r}: use full, local, oda, random, random:P or schedule:K:PERIOD")
-    return text
+    """A ``--policies`` word, checked whole at parse time (``random:`` or ``schedule:2.9:3`` are errors, not
+    defaults)."""
+    kind, colon, rest = text.partition(":")
+    usage = "use full, local, oda, random, random:P (0 <= P <= 1) or schedule:K:PERIOD (0 <= K <= PERIOD)"
+    try:
+        if kind in ("full", "local", "streamingllm", "oda", "random") and not colon:
+            return text
+        if kind == "random" and rest:
+            probability("random:P", float(rest))
+            return text
+        if kind == "schedule" and rest.count(":") == 1:
+            k, period = rest.split(":")
+            period = integer("schedule:K:PERIOD", int(period), minimum=1)
+            integer("schedule:K", int(k), minimum=0, maximum=period)
+            return text
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"bad policy {text!r}: {err} ({usage})") from None
+    raise argparse.ArgumentTypeError(f"unknown policy {text!r}: {usage}")
+
+
+@contextlib.contextmanager
+def locked_output(folder: str, what: str, flag: str = "--out") -> Iterator[None]:
+    """Hold `folder`'s `files.output_lock` for the block (two runs never write into one folder); a path that is a
+    file or cannot be written is a `UsageError` naming `flag`."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"{flag} {folder} is a file; give a folder (it is created if missing).")
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(output_lock(folder, what))
+    except OSError as err:
+        raise UsageError(f"{flag} {folder}: cannot write there ({first_line(err)}); give a writable folder.") from None
+    with stack:
+        yield
 
 
 def _load(args, threshold: float | None = None):
@@ -166,10 +208,35 @@ def build_policies(words, thresholds, seeds) -> list:
 
 
 def run_eval(args) -> int:
+    with locked_output(args.out, "this evaluation"):
+        return _run_eval(args)
+
+
+def _primary_threshold(args, thresholds: list[float] | None) -> float | None:
+    """--primary-threshold must be one of the thresholds run (else the main table would silently lose ODA);
+    `thresholds` None: this run has no ODA policy."""
+    if args.primary_threshold is None:
+        return None
+    if thresholds is None:
+        raise UsageError(f"--primary-threshold {args.primary_threshold:g} picks the ODA threshold of the main table, "
+                         "but --policies runs no ODA: add oda to --policies, or drop --primary-threshold.")
+    if args.primary_threshold not in thresholds:
+        raise UsageError(f"--primary-threshold {args.primary_threshold:g} is not among the ODA thresholds of this run "
+                         f"({', '.join(f'{t:g}' for t in thresholds)}): give one of them, or add it to --thresholds.")
+    return args.primary_threshold
+
+
+def _write_report(report, records, out, primary, plots):
+    try:
+        return report.write_report(records, out, primary, plots=plots)
+    except ValueError as err:  # e.g. a --primary-threshold the records do not have
+        raise UsageError(first_line(err)) from None
+
+
+def _run_eval(args) -> int:
     from . import report, runner, suites, trajectory
 
     out = args.out
-    os.makedirs(out, exist_ok=True)
     results_path = os.path.join(out, RESULTS_FILE)
     if args.merge:
         sources = [os.path.join(folder, RESULTS_FILE) for folder in args.merge]
@@ -181,42 +248,59 @@ def run_eval(args) -> int:
     if args.report_only:
         if not os.path.exists(results_path):
             raise UsageError(f"--report-only: {results_path} does not exist; run without --report-only first.")
-        records = runner.current_records(runner.ResultsFile(results_path, repair=False).records.values())
-        paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
+        with user_input(f"--report-only: {results_path}"):
+            records = runner.current_records(runner.ResultsFile(results_path, repair=False).records.values())
+        if not records:
+            raise UsageError(f"--report-only: {results_path} holds no records; run without --report-only first.")
+        paths = _write_report(report, records, out, args.primary_threshold, not args.no_plots)
         print("\n".join(f"[oda eval] wrote {p}" for p in paths.values()), file=sys.stderr)
         return 0
     if not args.data:
         raise UsageError("--data is required (unless --report-only).")
+    if args.paper_sweep and args.thresholds is not None:
+        raise UsageError("--paper-sweep runs the paper's thresholds: drop --thresholds, or drop --paper-sweep.")
+    if args.max_input_tokens is not None and args.suite != "longbench":
+        raise UsageError(f"--max-input-tokens truncates LongBench prompts; it does nothing with --suite {args.suite}: "
+                         "drop it.")
     require_paths("--data", args.data)
+    oda_words = any(word.partition(":")[0] in ("oda", "random") and ":" not in word for word in args.policies)
+    if args.paper_sweep or args.thresholds is not None or not oda_words:  # known before the model loads
+        _primary_threshold(args, None if not oda_words else
+                           list(runner.PAPER_THRESHOLDS) if args.paper_sweep else args.thresholds)
     model, tokenizer = _load(args)
     thresholds = list(runner.PAPER_THRESHOLDS) if args.paper_sweep else \
         (args.thresholds if args.thresholds is not None else [model.oda_config.threshold])
+    primary = _primary_threshold(args, thresholds if oda_words else None)
     policies = build_policies(args.policies, thresholds, args.seeds)
     if any(p.kind == "oda" for p in policies) and model.recall_head is None:
         raise UsageError("ODA policies need --head (or evaluate only full/local/random:P/schedule policies).")
+    if args.trajectories and not any(p.kind == "oda" for p in policies):
+        raise UsageError("--trajectories renders ODA runs: add oda to --policies, or drop --trajectories.")
     with user_input("--data"):
         if args.suite == "jsonl":
             examples = []
             for path in args.data:
                 examples += suites.load_examples(path, default_max_new_tokens=args.max_new_tokens)
             examples = suites.select_examples(examples, args.tasks, args.limit)
-            if args.max_new_tokens is not None:
-                for example in examples:
-                    example.max_new_tokens = args.max_new_tokens
+            if args.max_new_tokens is not None:  # a copy through __post_init__, so the cap is checked too
+                examples = [dataclasses.replace(e, max_new_tokens=args.max_new_tokens) for e in examples]
         elif args.suite == "ruler":
             examples = suites.load_ruler(args.data, max_new_tokens=args.max_new_tokens, tasks=args.tasks,
                                          limit=args.limit)
         else:
             examples = suites.load_longbench(args.data, tokenizer=tokenizer, max_length=args.max_input_tokens,
                                              max_new_tokens=args.max_new_tokens, tasks=args.tasks, limit=args.limit)
-    records = runner.evaluate(model, tokenizer, examples, policies, results_path, chat_template=args.chat_template,
-                              progress=not args.no_progress, share_prefill=not args.separate_prefills,
-                              manifest_path=os.path.join(out, MANIFEST_FILE),
-                              adopt_unlabeled=args.adopt_unlabeled_records)
-    paths = report.write_report(records, out, args.primary_threshold, plots=not args.no_plots)
+    try:
+        records = runner.evaluate(model, tokenizer, examples, policies, results_path,
+                                  chat_template=args.chat_template, progress=not args.no_progress,
+                                  share_prefill=not args.separate_prefills,
+                                  manifest_path=os.path.join(out, MANIFEST_FILE),
+                                  adopt_unlabeled=args.adopt_unlabeled_records)
+    except ValueError as err:  # the data, --out's records or manifest disagree with this run: the message says how
+        raise UsageError(first_line(err)) from None
+    paths = _write_report(report, records, out, primary, not args.no_plots)
     if args.trajectories:
-        primary = args.primary_threshold if args.primary_threshold is not None else \
-            (0.0 if 0.0 in thresholds else thresholds[0])
+        primary = primary if primary is not None else (0.0 if 0.0 in thresholds else thresholds[0])
         name = runner.oda(primary).name
         folder = os.path.join(out, "trajectories")
         os.makedirs(folder, exist_ok=True)
@@ -225,7 +309,7 @@ def run_eval(args) -> int:
             if record["policy"] != name or per_task.get(record["task"], 0) >= args.trajectories:
                 continue
             per_task[record["task"]] = per_task.get(record["task"], 0) + 1
-            stem = os.path.join(folder, record["id"].replace("/", "_"))
+            stem = os.path.join(folder, trajectory.file_stem(record["id"]))
             trajectory.render_record(record, tokenizer, html_path=stem + ".html",
                                      png_path=None if args.no_plots else stem + ".png")
         paths["trajectories"] = folder
@@ -234,30 +318,43 @@ def run_eval(args) -> int:
 
 
 def run_diagnose(args) -> int:
+    with locked_output(args.out, "these diagnostics"):
+        return _run_diagnose(args)
+
+
+def _run_diagnose(args) -> int:
     from . import diagnostics
 
     out = args.out
-    os.makedirs(out, exist_ok=True)
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:
         if not os.path.exists(positions_path):
             raise UsageError(f"--report-only: {positions_path} does not exist; run without --report-only first.")
-        records = diagnostics.load_positions(positions_path)
+        with user_input(f"--report-only: {positions_path}"):
+            records = diagnostics.load_positions(positions_path)
     else:
         if not args.data:
             raise UsageError("--data is required (unless --report-only).")
         require_paths("--data", args.data)
+        if os.path.isdir(args.data):
+            raise UsageError(f"--data {args.data} is a folder; give the JSONL file of reference sequences.")
         if args.history == "selected" and not args.head:
             raise UsageError("--history selected commits the head's choice: give --head, or use --history full.")
         model, tokenizer = _load(args, threshold=args.threshold)
         with user_input("--data"):
             documents = diagnostics.load_reference_sequences(args.data, tokenizer)
-        records = diagnostics.collect_reference_gains(model, documents, output_path=positions_path,
-                                                      history=args.history, count=args.positions,
-                                                      progress=not args.no_progress)
+        try:
+            records = diagnostics.collect_reference_gains(model, documents, output_path=positions_path,
+                                                          history=args.history, count=args.positions,
+                                                          progress=not args.no_progress)
+        except ValueError as err:  # a sequence the model cannot take, or --out holds other settings' positions
+            raise UsageError(first_line(err)) from None
     kwargs = {} if args.budgets is None else {"budgets": args.budgets}
-    result = diagnostics.analyze(records, main_budget=args.budget, n_resamples=args.bootstrap, seed=args.seed,
-                                 progress=not args.no_progress, **kwargs)
+    try:
+        result = diagnostics.analyze(records, main_budget=args.budget, n_resamples=args.bootstrap, seed=args.seed,
+                                     progress=not args.no_progress, **kwargs)
+    except ValueError as err:  # e.g. no eligible position: sequences no longer than s + w + 1
+        raise UsageError(first_line(err)) from None
     paths = diagnostics.write_diagnostics(result, out, plots=not args.no_plots)
     print("\n".join(f"[oda diagnose] wrote {p}" for p in [positions_path, *paths.values()]), file=sys.stderr)
     return 0

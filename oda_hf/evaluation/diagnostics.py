@@ -150,6 +150,15 @@ def reference_gains(model, input_ids, *, start: int | None = None, count: int | 
         raise ValueError("history='selected' commits the head's choice and needs a recall head; use history='full'.")
     ids = torch.as_tensor(input_ids, dtype=torch.long).flatten().cpu()
     config = model.oda_config
+    base_config = getattr(model.config, "get_text_config", lambda: model.config)()
+    limit = getattr(base_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and len(ids) > limit:
+        raise ValueError(f"reference {doc_id!r} has {len(ids)} tokens, more than the model's "
+                         f"max_position_embeddings={limit}; shorten it to at most {limit} tokens.")
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if len(ids) and int(ids.max()) >= vocabulary:
+        raise ValueError(f"reference {doc_id!r}: token id {int(ids.max())} is outside the model's vocabulary of "
+                         f"{vocabulary} ids.")
     first = config.sinks + config.window + 1
     start = first if start is None else int(start)
     if start < first:
@@ -206,6 +215,15 @@ def reference_gains(model, input_ids, *, start: int | None = None, count: int | 
 # -- collection over documents -------------------------------------------------------------------------
 
 
+def _optional_count(record: dict, key: str, minimum: int, where: str) -> int | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {key!r} must be an integer >= {minimum}; got {value!r}.")
+    return value
+
+
 def load_reference_sequences(path: str | os.PathLike, tokenizer=None) -> list[dict]:
     """JSONL of reference sequences: ``{"id", "input_ids" | "text"[, "start", "count"]}``."""
     documents = []
@@ -213,21 +231,51 @@ def load_reference_sequences(path: str | os.PathLike, tokenizer=None) -> list[di
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err}).") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object per line.")
             if "input_ids" in record:
-                ids = [int(i) for i in record["input_ids"]]
+                ids = record["input_ids"]
+                if not isinstance(ids, list) or not ids or not all(
+                        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                    raise ValueError(f"{where}: 'input_ids' must be a non-empty list of token ids (integers >= 0).")
             elif "text" in record:
+                if not isinstance(record["text"], str):
+                    raise ValueError(f"{where}: 'text' must be a string; got {type(record['text']).__name__}.")
                 if tokenizer is None:
-                    raise ValueError(f"{path}:{number}: a 'text' reference needs a tokenizer.")
+                    raise ValueError(f"{where}: a 'text' reference needs a tokenizer.")
                 ids = tokenizer(record["text"])["input_ids"]
             else:
-                raise ValueError(f"{path}:{number}: a reference needs 'input_ids' or 'text'.")
-            documents.append({"id": str(record.get("id", number)), "input_ids": ids,
-                              "start": record.get("start"), "count": record.get("count")})
+                raise ValueError(f"{where}: a reference needs 'input_ids' or 'text'.")
+            identifier = record.get("id", number)
+            if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
+                raise ValueError(f"{where}: 'id' must be a string or an integer; got {identifier!r}.")
+            documents.append({"id": str(identifier), "input_ids": ids,
+                              "start": _optional_count(record, "start", 1, where),
+                              "count": _optional_count(record, "count", 1, where)})
+    if not documents:
+        raise ValueError(f"{path}: no reference sequence (the file is empty); give one JSON object per line.")
     ids = [d["id"] for d in documents]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: reference ids must be unique.")
     return documents
+
+
+def _position_settings(model, model_settings: dict, document: dict, history: str, count: int | None,
+                       threshold: float | None) -> dict:
+    """Everything one document's positions depend on: the model (`runner.run_settings`: weights, head, dtype,
+    geometry), the protocol, the positions asked for and the sequence itself."""
+    from .runner import prompt_fingerprint
+
+    theta = model.oda_config.threshold if threshold is None else float(threshold)
+    return {**model_settings, "history": history, "threshold": theta if history == "selected" else None,
+            "start": document.get("start"),
+            "count": document.get("count") if document.get("count") is not None else count,
+            "input_sha256": prompt_fingerprint(document["input_ids"])}
 
 
 def collect_reference_gains(model, documents: Sequence[dict], *, output_path: str | os.PathLike | None = None,
@@ -236,33 +284,42 @@ def collect_reference_gains(model, documents: Sequence[dict], *, output_path: st
     """`reference_gains` for every document (dicts from `load_reference_sequences`).
 
     With `output_path`, one JSON line per document is appended and documents already there are
-    not recomputed (resumable). A document's own ``start``/``count`` override the defaults.
+    not recomputed (resumable) when they were computed with the same settings (`_position_settings`; otherwise an
+    error naming the differences). A document's own ``start``/``count`` override the defaults.
     """
-    done: dict[str, ReferencePositions] = {}
-    if output_path is not None and os.path.exists(output_path):
-        with open(output_path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        record = ReferencePositions.from_dict(json.loads(line))
-                    except (json.JSONDecodeError, KeyError):
-                        continue  # a partial line from an interrupted run: recompute that document
-                    done[record.doc_id] = record
-    mixed = sorted(doc for doc, record in done.items() if record.history != history)
-    if mixed:
-        raise ValueError(f"{output_path} holds documents computed with another history ({mixed[:3]}...); "
-                         f"this run uses history={history!r}. Use a new output file.")
+    from .runner import _differences, append_jsonl, read_appended_jsonl, run_settings
+
+    model_settings = run_settings(model)
+    done: dict[str, dict] = {}
+    if output_path is not None:
+        for data in read_appended_jsonl(output_path, repair=True, kind="positions record", required=("id",)):
+            done[data["id"]] = data
     results = []
     for document in tqdm(documents, desc="reference sequences", disable=not progress):
-        if document["id"] in done:
-            results.append(done[document["id"]])
+        settings = _position_settings(model, model_settings, document, history, count, threshold)
+        data = done.get(document["id"])
+        if data is not None:
+            saved = data.get("settings")
+            if saved is None:  # written before positions carried their settings: compare what they have
+                meta = data.get("meta", {})
+                saved = {**settings, "history": data.get("history"), "sinks": meta.get("sinks"),
+                         "window": meta.get("window"),
+                         "threshold": meta.get("threshold") if data.get("history") == "selected" else None}
+            differences = _differences(saved, settings)
+            if differences:
+                raise ValueError(f"{output_path} holds document {document['id']!r} computed with other settings: "
+                                 + "; ".join(differences) + ". Use a new output folder (--out).")
+            try:
+                results.append(ReferencePositions.from_dict(data))
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{output_path}: the record of document {document['id']!r} is damaged ({err!r}); "
+                                 "delete that line or use a new output folder.") from None
             continue
         record = reference_gains(model, document["input_ids"], start=document.get("start"),
-                                 count=document.get("count") or count, history=history, threshold=threshold,
+                                 count=settings["count"], history=history, threshold=threshold,
                                  doc_id=document["id"])
         if output_path is not None:
-            with open(output_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record.to_dict()) + "\n")
+            append_jsonl(output_path, {**record.to_dict(), "settings": settings})
         results.append(record)
     return results
 
@@ -496,18 +553,20 @@ def plot_budget_curves(result: dict, path: str | os.PathLike, subset: str = "all
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .report import save_figure
+
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def write_diagnostics(result: dict, out_dir: str | os.PathLike, plots: bool = True) -> dict[str, str]:
     """``diagnostics.md``, ``diagnostics.json`` and (optionally) ``budget_curve.png`` in `out_dir`."""
+    from ..files import write_json, write_text
+
     os.makedirs(out_dir, exist_ok=True)
     paths = {"markdown": os.path.join(out_dir, "diagnostics.md"), "json": os.path.join(out_dir, "diagnostics.json")}
-    with open(paths["markdown"], "w", encoding="utf-8") as f:
-        f.write(markdown(result))
-    with open(paths["json"], "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, default=float)
+    write_text(paths["markdown"], markdown(result))
+    write_json(paths["json"], result, indent=1, default=float)
     if plots:
         paths["budget_curve"] = os.path.join(out_dir, "budget_curve.png")
         plot_budget_curves(result, paths["budget_curve"])
@@ -515,6 +574,16 @@ def write_diagnostics(result: dict, out_dir: str | os.PathLike, plots: bool = Tr
 
 
 def load_positions(path: str | os.PathLike) -> list[ReferencePositions]:
-    """Read a per-document positions file written by `collect_reference_gains`."""
-    with open(path, encoding="utf-8") as f:
-        return [ReferencePositions.from_dict(json.loads(line)) for line in f if line.strip()]
+    """Read a per-document positions file written by `collect_reference_gains` (a partial last line of a killed
+    run is skipped; the newest record of a document is taken)."""
+    from .runner import read_appended_jsonl
+
+    records = {}
+    for number, data in enumerate(read_appended_jsonl(path, repair=False, kind="positions record",
+                                                      required=("id", "history")), start=1):
+        try:
+            records[data["id"]] = ReferencePositions.from_dict(data)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: record {number} ({data['id']!r}) is damaged ({err!r}); delete that line or "
+                             "run again into a new output folder.") from None
+    return list(records.values())

@@ -99,7 +99,10 @@ def export_kjv(path: str | os.PathLike | None = None, *, program: str = "bible")
                           encoding="utf-8").stdout
     _check_kjv(text, f"`{program} -f {KJV_RANGE}`")
     if path is not None:
-        with lzma.open(path, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+        from ..files import atomic_path
+
+        with atomic_path(path) as temporary, lzma.open(temporary, "wt", encoding="utf-8",
+                                                       preset=9 | lzma.PRESET_EXTREME) as f:
             f.write(text)
     return text
 

@@ -276,3 +276,14 @@ def score_example(metric: str, prediction: str, references: Sequence[str]) -> fl
     if metric not in METRICS:
         raise ValueError(f"Unknown metric {metric!r}; expected one of {sorted(METRICS)}.")
     return float(METRICS[metric](prediction, references))
+
+
+#: Bump when a metric's implementation changes the scores it gives: records scored by another version are rescored.
+SCORER_VERSION = 1
+
+
+def scorer_identity(metric: str) -> str:
+    """What an example's score depends on besides the output and the answers: the metric, this module's scorer
+    version and, for the Chinese metrics, the word segmentation in use (jieba or characters)."""
+    identity = f"{metric}/v{SCORER_VERSION}"
+    return f"{identity}/{zh_segmentation()}" if metric in CHINESE_METRICS else identity

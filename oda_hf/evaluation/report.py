@@ -224,6 +224,12 @@ def task_order(tasks: Iterable[str]) -> list[str]:
 # -- Markdown ----------------------------------------------------------------------------------------
 
 
+def _cell(text) -> str:
+    """`text` as one Markdown table cell: a ``|`` would split the cell and a line break end the row."""
+    text = str(text).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
 def _pct(value: float) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{100 * value:.2f}%"
 
@@ -264,6 +270,11 @@ def main_table(groups: dict[str, GroupSummary], primary_threshold: float | None 
         [g.threshold for g in groups.values() if g.group.startswith("random~")]
     if primary_threshold is None and thresholds:
         primary_threshold = 0.0 if 0.0 in thresholds else thresholds[0]
+    elif primary_threshold is not None and primary_threshold not in thresholds:
+        # Not a silent table without ODA: name what was run.
+        run = ", ".join(f"{t:g}" for t in sorted(set(thresholds))) or "none"
+        raise ValueError(f"primary threshold {primary_threshold:g} was not run (ODA thresholds in the records: {run}); "
+                         "give one of them (--primary-threshold).")
     columns = [g for g in groups.values()
                if g.kind in ("full", "local", "schedule")
                or (g.kind == "oda" and g.threshold == primary_threshold)
@@ -276,7 +287,7 @@ def main_table(groups: dict[str, GroupSummary], primary_threshold: float | None 
         for g in columns:
             score = _num(g.task_score(task))
             cells.append(f"{score} ({_num(g.task_rate(task), 100, '%')})" if _routed(g.kind) else score)
-        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_cell(task)} | " + " | ".join(cells) + " |")
     cells = []
     for g in columns:
         score = f"**{_num(g.score)}**"
@@ -329,7 +340,7 @@ def markdown_report(records: Sequence[dict], primary_threshold: float | None = N
     if odas > 1 or (odas and any(g.group.startswith("random~") for g in groups.values())):
         parts += ["## ODA threshold sweep and the matched Random control", "", sweep_table(groups), ""]
     parts += ["## Routing", "", routing_table(groups), "", "## Metrics", ""]
-    parts += [f"- {task}: {metric}" for task, metric in sorted(dict(metrics).items())]
+    parts += [f"- {_cell(task)}: {metric}" for task, metric in sorted(dict(metrics).items())]
     if any(metric in CHINESE_METRICS for _, metric in metrics):
         parts.append(f"- Chinese word segmentation: {zh_segmentation()}"
                      + (" (LongBench's)" if zh_segmentation() == "jieba"
@@ -391,8 +402,17 @@ def plot_quality_vs_rate(records: Sequence[dict], path: str | os.PathLike) -> No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """`fig.savefig` through `files.atomic_path`: a killed run leaves no half-written image (the format is given
+    explicitly, the temporary name has no image extension)."""
+    from ..files import atomic_path
+
+    with atomic_path(path) as temporary:
+        fig.savefig(temporary, dpi=dpi, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or "png")
 
 
 def plot_per_task(records: Sequence[dict], path: str | os.PathLike) -> None:
@@ -405,7 +425,7 @@ def plot_per_task(records: Sequence[dict], path: str | os.PathLike) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
         _draw(ax, groups, task)
-        ax.set_title(task, fontsize=10)
+        ax.set_title(task, fontsize=10, parse_math=False)  # a task name is text, never mathtext
         ax.set_xlabel("Full-call rate (%)", fontsize=8)
         ax.set_ylabel("Score", fontsize=8)
         ax.grid(alpha=0.3)
@@ -413,17 +433,18 @@ def plot_per_task(records: Sequence[dict], path: str | os.PathLike) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def write_report(records: Sequence[dict], out_dir: str | os.PathLike, primary_threshold: float | None = None,
                  plots: bool = True) -> dict[str, str]:
     """Write ``report.md`` (and ``quality_vs_rate.png``, ``per_task.png``) into `out_dir`."""
+    from ..files import write_text
+
     os.makedirs(out_dir, exist_ok=True)
     paths = {"markdown": os.path.join(out_dir, "report.md")}
-    with open(paths["markdown"], "w", encoding="utf-8") as f:
-        f.write(markdown_report(records, primary_threshold))
+    write_text(paths["markdown"], markdown_report(records, primary_threshold))
     if plots:
         paths["quality_vs_rate"] = os.path.join(out_dir, "quality_vs_rate.png")
         paths["per_task"] = os.path.join(out_dir, "per_task.png")

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import string
 import sys
 import time
@@ -62,6 +63,7 @@ from .haystacks import (
     prose_words,
 )
 from ..known_models import base_argument
+from ..validation import argument, integer, number
 from .metrics import default_metric
 from .suites import EvalExample, ruler_max_new_tokens, write_examples
 
@@ -584,6 +586,9 @@ def generate_suite(tokenizer, tasks: Sequence[str] | None = None, lengths: Seque
         raise ValueError(f"n (prompts per task and length) must be a positive integer; got {n!r}.")
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1); got {tolerance!r}.")
+    integer("seed", seed, minimum=0)
+    if max_position_embeddings is not None:
+        integer("max_position_embeddings", max_position_embeddings, minimum=1)
     lengths = list(lengths)
     if not lengths:
         raise ValueError("Give at least one length.")
@@ -639,26 +644,41 @@ def generate_suite(tokenizer, tasks: Sequence[str] | None = None, lengths: Seque
 
 
 def write_suite(examples: Sequence[EvalExample], out: str | os.PathLike, manifest: dict | None = None) -> list[str]:
-    """One folder per length, one ``<task>.jsonl`` per task: ``oda eval --data OUT/<length>`` runs one length."""
+    """One folder per length, one ``<task>.jsonl`` per task: ``oda eval --data OUT/<length>`` runs one length.
+
+    Every length folder holds a ``manifest.json`` with each file's record count (`suites.check_generated_file`
+    refuses a file it does not vouch for), and OUT a ``manifest.json`` of the whole suite. Everything is written
+    into a staging folder first and then published with OUT's manifest moved last (`files.publish_files`): a killed
+    run leaves no file that looks complete. A length folder is replaced as a whole."""
+    from ..files import publish_files, staging_folder, write_json
+    from .suites import SUITE_MANIFEST
+
+    out = os.fspath(out)
     groups: dict[tuple[int, str], list[EvalExample]] = {}
     for example in examples:
         groups.setdefault((example.meta["length"], example.task), []).append(example)
-    paths = []
-    for (length, task), group in sorted(groups.items()):
-        folder = os.path.join(os.fspath(out), str(length))
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{task}.jsonl")
-        write_examples(group, path)
-        paths.append(path)
-    if manifest is not None:
+    settings = {**(manifest or {}), "generator": GENERATOR}
+    staging = staging_folder(out)
+    try:
+        counts: dict[int, dict[str, int]] = {}
+        for (length, task), group in sorted(groups.items()):
+            folder = os.path.join(staging, str(length))
+            os.makedirs(folder, exist_ok=True)
+            name = f"{task}.jsonl"
+            counts.setdefault(length, {})[name] = write_examples(group, os.path.join(folder, name))
+        for length, records in counts.items():
+            write_json(os.path.join(staging, str(length), SUITE_MANIFEST),
+                       {**settings, "length": length, "examples": sum(records.values()), "records": records}, indent=2)
         deviations = [abs(e.meta["tokens"] - e.meta["length"]) / e.meta["length"] for e in examples]
-        manifest = {**manifest, "generator": GENERATOR, "examples": len(examples),
-                    "max_length_deviation": max(deviations, default=0.0), "files": sorted(
-                        os.path.relpath(p, os.fspath(out)) for p in paths)}
-        with open(os.path.join(os.fspath(out), "manifest.json"), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-    return paths
+        files = {f"{length}/{name}": count for length, records in sorted(counts.items())
+                 for name, count in sorted(records.items())}
+        write_json(os.path.join(staging, SUITE_MANIFEST),
+                   {**settings, "examples": len(examples), "max_length_deviation": max(deviations, default=0.0),
+                    "files": sorted(files), "records": files}, indent=2)
+        publish_files(staging, out, marker=SUITE_MANIFEST)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(out, *name.split("/")) for name in files]
 
 
 # -- CLI ------------------------------------------------------------------------------------------
@@ -669,20 +689,23 @@ def add_cli(subparsers) -> None:
         "ruler", help="generate RULER's synthetic suite offline (11 tasks) at exact token lengths",
         description="Writes OUT/<length>/<task>.jsonl for `oda eval --suite jsonl --chat-template --data OUT/<length>`.")
     parser.add_argument("--tokenizer", type=base_argument, required=True, help="tokenizer folder or id (its chat template is applied)")
-    parser.add_argument("--lengths", nargs="+", type=int, required=True,
+    parser.add_argument("--lengths", nargs="+", type=argument(integer, "lengths", minimum=1), required=True,
                         help="prompt token counts (after chat template and answer prefix)")
     parser.add_argument("--split", choices=SPLITS, default="test", help="seed namespace and prose text (default test)")
-    parser.add_argument("--n", type=int, default=10, help="prompts per task and length (default 10)")
+    parser.add_argument("--n", type=argument(integer, "n", minimum=1), default=10,
+                        help="prompts per task and length (default 10)")
     parser.add_argument("--haystack", choices=HAYSTACKS, default="kjv",
                         help="haystack of RULER's essay tasks: kjv (King James Bible, shipped), noise, or python-docs "
                              "(Debian's python3.X-doc, read from the system) (default kjv)")
     parser.add_argument("--tasks", nargs="+", default=None, help=f"subset of: {' '.join(TASK_NAMES)}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-positions", type=int, default=None,
+    parser.add_argument("--seed", type=argument(integer, "seed", minimum=0), default=0)
+    parser.add_argument("--max-positions", type=argument(integer, "max-positions", minimum=1), default=None,
                         help="model's max_position_embeddings (default: read from the tokenizer folder's config.json)")
     parser.add_argument("--no-chat-template", action="store_true", help="plain prompts (evaluate without --chat-template)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="relative length tolerance (0.02)")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--tolerance", type=argument(number, "tolerance", minimum=0, exclusive_minimum=True, maximum=1),
+                        default=DEFAULT_TOLERANCE, help="relative length tolerance, in (0, 1) (default 0.02)")
+    parser.add_argument("--out", required=True,
+                        help="output directory (a length folder written before is replaced as a whole)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_ruler)
 
@@ -700,7 +723,18 @@ def _max_positions(path: str) -> int | None:
 
 def run_ruler(args) -> int:
     from ..cli_common import UsageError, load_tokenizer
+    from .cli import locked_output
 
+    with locked_output(args.out, "this RULER suite"):
+        return _run_ruler(args, UsageError, load_tokenizer)
+
+
+def _run_ruler(args, UsageError, load_tokenizer) -> int:
+    from ..files import remove_stale_partials
+
+    out = os.path.abspath(args.out)
+    # Staging folders of killed runs into this --out (we hold its lock, so none is in use).
+    remove_stale_partials(os.path.dirname(out), [os.path.basename(out)])
     max_positions = args.max_positions if args.max_positions is not None else _max_positions(args.tokenizer)
     if max_positions is None:
         logger.warning("No model config found next to the tokenizer: lengths are not checked against the model's "
@@ -714,10 +748,11 @@ def run_ruler(args) -> int:
     except (ValueError, ImportError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     seconds = time.perf_counter() - started
+    # No timing in the manifest: the same command writes the same bytes (a rerun after a kill included).
     manifest = {"tokenizer": args.tokenizer, "lengths": args.lengths, "split": args.split, "n": args.n,
                 "haystack": args.haystack, "tasks": args.tasks or list(TASK_NAMES), "seed": args.seed,
                 "max_position_embeddings": max_positions, "chat_template": not args.no_chat_template,
-                "tolerance": args.tolerance, "wonderwords": wonderwords_version(), "seconds": round(seconds, 1)}
+                "tolerance": args.tolerance, "wonderwords": wonderwords_version()}
     paths = write_suite(examples, args.out, manifest)
     worst = max(abs(e.meta["tokens"] - e.meta["length"]) / e.meta["length"] for e in examples)
     print(f"[oda ruler] {len(examples)} prompts in {len(paths)} files under {args.out} ({seconds:.1f} s; "

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..compat import cache_kwargs
 from ..policies import RandomPolicy, SchedulePolicy
-from .metrics import score_example
+from .metrics import score_example, scorer_identity
 from .suites import EvalExample
 
 logger = logging.getLogger(__name__)
@@ -151,61 +151,84 @@ def paper_policies(thresholds: Sequence[float] = PAPER_THRESHOLDS, seeds: Sequen
 # -- the results file ------------------------------------------------------------------------------
 
 
+def read_appended_jsonl(path: str | os.PathLike, repair: bool = True, kind: str = "record",
+                        required: Sequence[str] = ()) -> list[dict]:
+    """The JSON objects of an append-only JSONL file, in order, each with the string fields `required`.
+
+    A run killed mid-write leaves a partial last line: with `repair` it is cut off (logged), so that item is simply
+    redone; with ``repair=False`` (read-only use) it is skipped. An unreadable line elsewhere, or an object without
+    the `required` fields, is not an interrupted write: it is an error naming the line."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    records, good_end = [], 0  # good_end: byte offset after the last readable line
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if number < len(lines) and any(rest.strip() for rest in lines[number:]):
+                    raise ValueError(
+                        f"{path}:{number}: unreadable {kind} in the middle of the file (not an interrupted "
+                        "write). Fix or delete that line, or write to a new output file.") from None
+                break
+            if not (isinstance(record, dict) and all(isinstance(record.get(key), str) for key in required)):
+                fields = ", ".join(map(repr, required))
+                raise ValueError(f"{path}:{number}: not a {kind} (a JSON object with {fields}). "
+                                 "Fix or delete that line, or write to a new output file.")
+            records.append(record)
+        good_end += len(line) + 1
+    good_end = min(good_end, len(data))
+    if good_end == len(data) and data.endswith(b"\n") or not data:
+        return records
+    if not repair:
+        logger.warning(f"{path}: the last line is incomplete (interrupted write?); it is ignored.")
+        return records
+    with open(path, "r+b") as f:
+        f.truncate(good_end)
+        if good_end and not data[:good_end].endswith(b"\n"):
+            f.seek(good_end)
+            f.write(b"\n")  # the last record was complete but its line end was not written
+    if good_end < len(data):
+        logger.warning(f"{path}: removed an incomplete last line ({len(data) - good_end} bytes, an "
+                       f"interrupted write); that {kind} will be computed again.")
+    return records
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    """Append one JSON line and sync it: an item on disk is never redone, so make sure it is really there."""
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class ResultsFile:
     """Append-only JSONL of records keyed by (example id, policy name); a rerun skips finished keys.
 
     A run killed mid-write leaves a partial last line: opening the file cuts it off (logged), so
     that pair is simply redone. With ``repair=False`` (read-only use) it is skipped instead. An
-    unreadable line elsewhere is not an interrupted write: it is an error.
+    unreadable line elsewhere is not an interrupted write: it is an error. Writers hold the output folder's
+    `files.output_lock` (the CLI does), so two runs never append to one file.
     """
 
     def __init__(self, path: str | os.PathLike, repair: bool = True):
         self.path = os.fspath(path)
         self.records: dict[tuple[str, str], dict] = {}
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, "rb") as f:
-            data = f.read()
-        lines = data.split(b"\n")
-        good_end = 0  # byte offset after the last readable line
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    if number < len(lines) and any(rest.strip() for rest in lines[number:]):
-                        raise ValueError(
-                            f"{self.path}:{number}: unreadable record in the middle of the file (not an interrupted "
-                            "write). Fix or delete that line, or write to a new output file.") from None
-                    break
-                self.records[(record["id"], record["policy"])] = record
-            good_end += len(line) + 1
-        good_end = min(good_end, len(data))
-        if good_end == len(data) and data.endswith(b"\n") or not data:
-            return
-        if not repair:
-            logger.warning(f"{self.path}: the last line is incomplete (interrupted write?); it is ignored.")
-            return
-        with open(self.path, "r+b") as f:
-            f.truncate(good_end)
-            if good_end and not data[:good_end].endswith(b"\n"):
-                f.seek(good_end)
-                f.write(b"\n")  # the last record was complete but its line end was not written
-        if good_end < len(data):
-            logger.warning(f"{self.path}: removed an incomplete last line ({len(data) - good_end} bytes, an "
-                           "interrupted write); that record will be generated again.")
+        for record in read_appended_jsonl(self.path, repair, "record", ("id", "policy")):
+            self.records[(record["id"], record["policy"])] = record
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.records
 
     def add(self, record: dict) -> None:
-        directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # a record on disk is never redone, so make sure it is really there
+        append_jsonl(self.path, record)
         self.records[(record["id"], record["policy"])] = record
 
 
@@ -258,17 +281,29 @@ def _differences(old: dict, new: dict, keys: Iterable[str] | None = None) -> lis
     return [f"{key}: {old.get(key)!r} there, {new.get(key)!r} now" for key in keys if old.get(key) != new.get(key)]
 
 
+def read_manifest_settings(path: str | os.PathLike) -> dict:
+    """The ``settings`` of the manifest at `path`; a ValueError naming the file if it is not one."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): delete it or write to a new output folder.") from None
+    except OSError as err:  # e.g. a folder of that name
+        raise ValueError(f"{path} cannot be read ({err.strerror or err}): delete it or write to a new output "
+                         "folder.") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
+        raise ValueError(f"{path} is not a manifest of `evaluate` (no 'settings' object): delete it or write to a new "
+                         "output folder.")
+    return saved["settings"]
+
+
 def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
     """Error naming the differing keys if an existing manifest at `path` has other settings."""
     path = os.fspath(path)
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        try:
-            saved = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err}): delete it or write to a new output folder.") from err
-    differences = _differences(saved.get("settings", {}), settings)
+    differences = _differences(read_manifest_settings(path), settings)
     if differences:
         raise ValueError(
             f"{results_path} was generated with other settings ({path}): " + "; ".join(differences)
@@ -285,15 +320,9 @@ def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
     manifest = {"format": MANIFEST_FORMAT, "results": os.path.basename(os.fspath(results_path)), "settings": settings,
                 "versions": {"oda_hf": __version__, "transformers": transformers.__version__,
                              "torch": torch.__version__}}
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    from ..files import write_json
+
+    write_json(path, manifest, indent=1)
 
 
 def _manifest_of(results_path: str, manifest_name: str | None) -> str:
@@ -319,8 +348,7 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
     manifest_path = _manifest_of(output_path, manifest_name)
     if not os.path.exists(manifest_path):
         raise ValueError(f"{output_path} has no manifest ({manifest_path}): merge into the folder of a finished run.")
-    with open(manifest_path, encoding="utf-8") as f:
-        settings = json.load(f)["settings"]
+    settings = read_manifest_settings(manifest_path)
     results, added = ResultsFile(output_path), 0
     contested: dict[tuple[str, str], list[dict]] = {}  # matched Random pairs drawn at different rates
     for source in map(os.fspath, sources):
@@ -374,7 +402,7 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
 
     `adopt_unlabeled`: records without settings (older oda_hf) are trusted to have this run's settings.
     """
-    adopted = 0
+    adopted = rescored = 0
     for example in examples:
         done = [(spec, results.records[(example.id, spec.name)]) for spec in policies
                 if (example.id, spec.name) in results]
@@ -386,6 +414,7 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
             if "settings" not in record:
                 if adopt_unlabeled:
                     adopted += 1
+                    rescored += _rescore(results, record, example)
                     continue
                 raise ValueError(f"{where} without its settings (written by an older oda_hf), so it cannot be "
                                  "reused safely. Write to a new output folder (--out), or, if you know it was made "
@@ -396,9 +425,51 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
                 raise ValueError(f"{where} generated with other settings: " + "; ".join(differences)
                                  + ". Records of different settings must not mix: write to a new output folder "
                                  "(--out).")
+            rescored += _rescore(results, record, example)
+    if rescored:
+        logger.warning(f"{results.path}: rescored {rescored} records from their stored outputs (the answers, task, "
+                       "metric or scorer changed since they were generated).")
     if adopted:
         logger.warning(f"{results.path}: reusing {adopted} records without settings as made with this run's settings "
                        "(adopt_unlabeled).")
+
+
+def scoring_identity(example: EvalExample) -> dict:
+    """What a record's score (and its place in the report) depends on besides the generation: the example's task,
+    metric, reference answers and the scorer's version. A record that differs only here is rescored, not redone."""
+    return {"task": example.task, "metric": example.metric, "answers": list(example.answers),
+            "scorer": scorer_identity(example.metric)}
+
+
+def _rescore(results: ResultsFile, record: dict, example: EvalExample) -> int:
+    """Append `record` rescored for `example` if its scoring identity is not the example's; returns 1 if it was.
+
+    The output of a generation does not depend on the answers or the metric, so the rescored record equals what a
+    fresh run would write (the appended line supersedes the old one on reading)."""
+    identity = scoring_identity(example)
+    if all(record.get(key) == value for key, value in identity.items()):
+        return 0
+    if not isinstance(record.get("output"), str):
+        raise ValueError(f"{results.path}: the record ({example.id}, {record.get('policy')}) has no stored output to "
+                         "rescore with the new answers or metric: write to a new output folder (--out).")
+    results.add({**record, **identity, "score": score_example(example.metric, record["output"], example.answers)})
+    return 1
+
+
+def check_prompt(model, example: EvalExample, input_ids: Sequence[int]) -> None:
+    """Refuse a prompt the model cannot read: longer than its ``max_position_embeddings`` (transformers only warns,
+    then the positions past it are garbage) or with token ids outside its vocabulary."""
+    config = model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and len(input_ids) > limit:
+        raise ValueError(f"example {example.id!r} (task {example.task!r}): its prompt has {len(input_ids)} tokens, "
+                         f"more than the model's max_position_embeddings={limit}; shorten it (LongBench: --max-input-tokens "
+                         f"{limit}) or leave it out.")
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if input_ids and max(input_ids) >= vocabulary:
+        raise ValueError(f"example {example.id!r}: token id {max(input_ids)} is outside the model's vocabulary of "
+                         f"{vocabulary} ids; give ids in [0, {vocabulary - 1}] (or a text prompt).")
 
 
 # -- one generation ---------------------------------------------------------------------------------
@@ -541,7 +612,7 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
     record = {
         "id": example.id, "task": example.task, **spec.describe(),
         "p": p if spec.kind == "random" and spec.matched else spec.p,
-        "metric": example.metric, "answers": example.answers,
+        "metric": example.metric, "answers": example.answers, "scorer": scorer_identity(example.metric),
         "output": text, "output_ids": new_ids,
         "score": score_example(example.metric, text, example.answers),
         "decisions": [int(d) for d in decisions], "routed_steps": steps, "full_calls": int(sum(decisions)),
@@ -633,6 +704,11 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     """
     if not examples:
         raise ValueError("The suite is empty: nothing to evaluate.")
+    for example in examples:  # fields may have been changed after construction: check again what generation uses
+        if isinstance(example.max_new_tokens, bool) or not isinstance(example.max_new_tokens, int) \
+                or example.max_new_tokens < 1:
+            raise ValueError(f"example {example.id!r}: max_new_tokens must be a positive integer; got "
+                             f"{example.max_new_tokens!r}.")
     names = [spec.name for spec in policies]
     if len(set(names)) != len(names):
         raise ValueError(f"Policy names must be unique; got {names}.")
@@ -663,6 +739,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
             if example.id != current:
                 current, prefill = example.id, None
                 input_ids = encode_prompt(example, tokenizer, chat_template)
+                check_prompt(model, example, input_ids)
                 if share_prefill and remaining[example.id] > 1:  # a single job just runs generate()
                     prefill = SharedPrefill(model, tokenizer, input_ids, example.max_new_tokens)
             remaining[example.id] -= 1

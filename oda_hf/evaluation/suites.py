@@ -12,6 +12,11 @@ Sources:
   "dataset", "_id"}`` for the paper's ten tasks, with LongBench's prompt templates, output caps and
   middle truncation of over-long prompts.
 * `examples_from_organism` - the model organism's `Example` objects (token-id prompts).
+
+Reference answers (``answers``, RULER's ``outputs``) are always a JSON *list* of strings. A single string is
+refused with the file and line, not wrapped: scored as a sequence it would be matched character by character,
+and which of the two the file meant cannot be told. Files written by ``oda ruler`` are only read when their
+folder's ``manifest.json`` lists them with their record count (`check_generated_file`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from ..validation import integer
 from .metrics import LONGBENCH_METRICS, METRICS, RULER_TASKS, default_metric
 
 
@@ -44,21 +50,49 @@ class EvalExample:
 
     def __post_init__(self):
         where = f"example {self.id!r} (task {self.task!r})"
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"{where}: the id must be a non-empty string; got {self.id!r}.")
+        if not isinstance(self.task, str) or not self.task:
+            raise ValueError(f"{where}: the task must be a non-empty string; got {self.task!r}.")
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError(f"{where}: give exactly one of a text prompt and input_ids.")
-        if self.input_ids is not None and (not self.input_ids or not all(isinstance(i, int) for i in self.input_ids)):
-            raise ValueError(f"{where}: input_ids must be a non-empty list of integers.")
-        if isinstance(self.answers, str):
-            self.answers = [self.answers]
-        if not self.answers or not all(isinstance(a, str) for a in self.answers):
-            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings.")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValueError(f"{where}: the prompt must be a string (or token ids as input_ids); got "
+                             f"{self.prompt!r} ({type(self.prompt).__name__}).")
+        if isinstance(self.input_ids, tuple):
+            self.input_ids = list(self.input_ids)
+        if self.input_ids is not None and (not isinstance(self.input_ids, list) or not self.input_ids or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.input_ids)):
+            raise ValueError(f"{where}: input_ids must be a non-empty list of token ids (integers >= 0).")
+        self.answers = string_list("answers", self.answers, where)
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"{where}: max_new_tokens must be a positive integer; got {self.max_new_tokens!r}.")
-        if self.metric not in METRICS:
+        if not isinstance(self.metric, str) or self.metric not in METRICS:
             raise ValueError(f"{where}: unknown metric {self.metric!r}; expected one of {sorted(METRICS)}.")
+        if not isinstance(self.answer_prefix, str):
+            raise ValueError(f"{where}: answer_prefix must be a string; got {self.answer_prefix!r}.")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def string_list(field_name: str, value, where: str) -> list[str]:
+    """`value` as a non-empty list of strings. A single string is refused, not wrapped: scored as a sequence it
+    would be compared character by character, and wrapping would guess at what the file meant."""
+    if isinstance(value, str):
+        raise ValueError(f"{where}: {field_name!r} must be a list of strings; got the string {value!r}. Write it as "
+                         f"a one-element list: [{json.dumps(value, ensure_ascii=False)}].")
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(a, str) for a in value):
+        raise ValueError(f"{where}: {field_name!r} must be a non-empty list of strings; got {value!r}.")
+    return list(value)
+
+
+def _example(where: str, **fields) -> EvalExample:
+    """An `EvalExample` whose errors name the file and line (`where`) of its record."""
+    try:
+        return EvalExample(**fields)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 # -- generic suite -----------------------------------------------------------------------------------
@@ -70,21 +104,35 @@ def example_from_dict(record: dict, *, default_max_new_tokens: int | None = None
     if missing:
         raise ValueError(f"{where or 'record'}: missing field(s) {missing}; a suite record needs "
                          "'id', 'task', 'prompt', 'answers' and 'max_new_tokens'.")
-    task = str(record["task"])
-    metric = record.get("metric") or default_metric(task)
-    if metric is None:
-        raise ValueError(f"{where or 'record'}: task {task!r} has no default metric; add a 'metric' field "
-                         f"(one of {sorted(METRICS)}).")
+    where = where or "record"
+    identifier, task = record["id"], record["task"]
+    # An integer id is fine (it is a name); anything else would be stringified into a surprising key.
+    if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
+        raise ValueError(f"{where}: 'id' must be a string or an integer; got {identifier!r}.")
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"{where}: 'task' must be a non-empty string; got {task!r}.")
+    metric = record.get("metric")
+    if metric is None:  # an absent metric takes the task's default; an empty or wrong one is an error below
+        metric = default_metric(task)
+        if metric is None:
+            raise ValueError(f"{where}: task {task!r} has no default metric; add a 'metric' field "
+                             f"(one of {sorted(METRICS)}).")
     max_new_tokens = record.get("max_new_tokens", default_max_new_tokens)
     if max_new_tokens is None:
-        raise ValueError(f"{where or 'record'}: missing 'max_new_tokens'.")
+        raise ValueError(f"{where}: missing 'max_new_tokens'.")
     prompt = record["prompt"]
-    text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    if isinstance(prompt, str):
+        text, ids = prompt, None
+    elif isinstance(prompt, list):
+        text, ids = None, prompt
+    else:
+        raise ValueError(f"{where}: 'prompt' must be a string or a list of token ids; got {prompt!r} "
+                         f"({type(prompt).__name__}).")
     meta = {k: v for k, v in record.items()
             if k not in ("id", "task", "prompt", "answers", "max_new_tokens", "metric", "answer_prefix")}
-    return EvalExample(id=str(record["id"]), task=task, answers=record["answers"], max_new_tokens=max_new_tokens,
-                       metric=metric, prompt=text, input_ids=ids, answer_prefix=record.get("answer_prefix", ""),
-                       meta=meta)
+    return _example(where, id=str(identifier), task=task, answers=record["answers"], max_new_tokens=max_new_tokens,
+                    metric=metric, prompt=text, input_ids=ids, answer_prefix=record.get("answer_prefix", ""),
+                    meta=meta)
 
 
 def load_examples(source: str | os.PathLike | Iterable[dict], *, default_max_new_tokens: int | None = None,
@@ -95,7 +143,12 @@ def load_examples(source: str | os.PathLike | Iterable[dict], *, default_max_new
     Example ids must be unique (they key the resumable results file).
     """
     if isinstance(source, (str, os.PathLike)):
-        records = ((record, f"{path}:{line}") for path in _expand(source) for line, record in _read_jsonl(path))
+        def read(path):
+            lines = list(_read_jsonl(path))
+            check_generated_file(path, lines)
+            return [(record, f"{path}:{line}") for line, record in lines]
+
+        records = (item for path in _expand(source) for item in read(path))
     else:
         records = ((record, f"record {i}") for i, record in enumerate(source))
     examples = [example_from_dict(record, default_max_new_tokens=default_max_new_tokens, where=where)
@@ -103,9 +156,13 @@ def load_examples(source: str | os.PathLike | Iterable[dict], *, default_max_new
     return select_examples(examples, tasks, limit)
 
 
-def write_examples(examples: Iterable[EvalExample], path: str | os.PathLike) -> None:
-    """Write a suite as generic JSONL records (what `load_examples` and ``oda eval --suite jsonl`` read)."""
-    with open(path, "w", encoding="utf-8") as f:
+def write_examples(examples: Iterable[EvalExample], path: str | os.PathLike) -> int:
+    """Write a suite as generic JSONL records (what `load_examples` and ``oda eval --suite jsonl`` read), atomically;
+    returns the number of records."""
+    from ..files import atomic_write
+
+    count = 0
+    with atomic_write(path) as f:
         for example in examples:
             record = {"id": example.id, "task": example.task,
                       "prompt": example.prompt if example.prompt is not None else example.input_ids,
@@ -115,6 +172,43 @@ def write_examples(examples: Iterable[EvalExample], path: str | os.PathLike) -> 
             reserved = set(record) | {"answer_prefix"}
             record.update({k: v for k, v in example.meta.items() if k not in reserved})
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+#: Records of `oda ruler` carry ``"generator": "oda-ruler-synth/<version>"``; their folder has a manifest.
+GENERATED_PREFIX = "oda-ruler-synth/"
+SUITE_MANIFEST = "manifest.json"
+
+
+def check_generated_file(path: str | os.PathLike, lines: Sequence[tuple[int, dict]]) -> None:
+    """A file written by ``oda ruler`` must be listed, with its record count, in its folder's manifest.
+
+    The manifest is written last, so a folder without one (a killed or older writer) or a file with another
+    record count (cut short, or from another run) is refused instead of evaluating a partial suite."""
+    path = os.fspath(path)
+    if not any(str(record.get("generator", "")).startswith(GENERATED_PREFIX) for _, record in lines):
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    manifest_path = os.path.join(folder, SUITE_MANIFEST)
+    fix = "generate the suite again with `oda ruler` into a new --out"
+    if not os.path.isfile(manifest_path):
+        raise ValueError(f"{path} was written by `oda ruler`, but {manifest_path} is missing (an interrupted or "
+                         f"older run): {fix}.")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{manifest_path} is unreadable ({err}): {fix}.") from None
+    files = manifest.get("records") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError(f"{manifest_path} does not list its files' record counts (written by an older oda_hf, or "
+                         f"not by `oda ruler`): {fix}.")
+    if name not in files:
+        raise ValueError(f"{path} is not listed in {manifest_path} (a leftover of another run?): {fix}.")
+    if files[name] != len(lines):
+        raise ValueError(f"{path} holds {len(lines)} records, but {manifest_path} says {files[name]!r} (cut short "
+                         f"or changed): {fix}.")
 
 
 def examples_from_organism(examples: Iterable, *, max_new_tokens: int | None = None, slack: int = 8,
@@ -129,7 +223,7 @@ def examples_from_organism(examples: Iterable, *, max_new_tokens: int | None = N
     out = []
     for example in examples:
         task = f"{example.task}@{example.length}" if task_with_length else example.task
-        cap = max_new_tokens or len(example.target_ids()) + slack
+        cap = len(example.target_ids()) + slack if max_new_tokens is None else max_new_tokens
         out.append(EvalExample(
             id=f"{example.task}/{example.length}/{example.split}/{example.index}", task=task,
             answers=list(example.answers), max_new_tokens=cap, metric=default_metric(example.task),
@@ -176,14 +270,16 @@ def load_ruler(paths: str | os.PathLike | Sequence[str | os.PathLike], *, task: 
     for path in _expand(paths):
         name = task or ruler_task_from_path(path)
         metric = default_metric(name)
-        cap = max_new_tokens or ruler_max_new_tokens(name)
+        cap = ruler_max_new_tokens(name) if max_new_tokens is None else max_new_tokens  # 0 is an error, not a default
         for line, record in _read_jsonl(path):
+            where = f"{path}:{line}"
             for key in ("index", "input", "outputs"):
                 if key not in record:
-                    raise ValueError(f"{path}:{line}: RULER record without {key!r} (fields: {sorted(record)}).")
-            examples.append(EvalExample(
-                id=f"{name}/{record['index']}", task=name, answers=list(record["outputs"]), max_new_tokens=cap,
-                metric=metric, prompt=record["input"], answer_prefix=record.get("answer_prefix", ""),
+                    raise ValueError(f"{where}: RULER record without {key!r} (fields: {sorted(record)}).")
+            examples.append(_example(
+                where, id=f"{name}/{record['index']}", task=name,
+                answers=string_list("outputs", record["outputs"], where), max_new_tokens=cap, metric=metric,
+                prompt=record["input"], answer_prefix=record.get("answer_prefix", ""),
                 meta={"length": record.get("length"), "source": os.fspath(path)}))
     return select_examples(examples, tasks, limit)
 
@@ -263,12 +359,17 @@ def load_longbench(paths: str | os.PathLike | Sequence[str | os.PathLike], *, to
     budget (the paper uses 40,960): longer prompts are middle-truncated with `tokenizer` as LongBench
     does. `max_new_tokens` overrides LongBench's per-task output caps.
     """
-    if max_length is not None and tokenizer is None:
-        raise ValueError("Middle truncation to max_length needs the tokenizer (tokenizer=...).")
+    if max_length is not None:
+        # 1 would keep nothing from either end, and LongBench's `ids[-0:]` would then keep the whole prompt.
+        max_length = integer("max_length (--max-input-tokens)", max_length, minimum=2)
+        if tokenizer is None:
+            raise ValueError("Middle truncation to max_length needs the tokenizer (tokenizer=...).")
     examples = []
     for path in _expand(paths):
         for line, record in _read_jsonl(path):
             task = record.get("dataset") or longbench_task_from_path(path)
+            if not isinstance(task, str):
+                raise ValueError(f"{path}:{line}: LongBench field 'dataset' must be a task name; got {task!r}.")
             task = task[:-2] if task.endswith("_e") else task
             if task not in LONGBENCH_PROMPTS:
                 if tasks is None:
@@ -278,13 +379,20 @@ def load_longbench(paths: str | os.PathLike | Sequence[str | os.PathLike], *, to
             for key in ("input", "context", "answers"):
                 if key not in record:
                     raise ValueError(f"{path}:{line}: LongBench record without {key!r} (fields: {sorted(record)}).")
+            where = f"{path}:{line}"
+            answers = string_list("answers", record["answers"], where)
+            for key in ("input", "context"):
+                if not isinstance(record[key], str):
+                    raise ValueError(f"{where}: LongBench field {key!r} must be a string; got "
+                                     f"{type(record[key]).__name__}.")
             prompt = LONGBENCH_PROMPTS[task].format(context=record["context"], input=record["input"])
             if max_length is not None:
                 prompt = middle_truncate(prompt, tokenizer, max_length)
             identifier = record.get("_id", line)
-            examples.append(EvalExample(
-                id=f"{task}/{identifier}", task=task, answers=list(record["answers"]),
-                max_new_tokens=max_new_tokens or LONGBENCH_MAX_NEW_TOKENS[task], metric=LONGBENCH_METRICS[task],
+            examples.append(_example(
+                where, id=f"{task}/{identifier}", task=task, answers=answers,
+                max_new_tokens=LONGBENCH_MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens,
+                metric=LONGBENCH_METRICS[task],
                 prompt=prompt, meta={"length": record.get("length"), "all_classes": record.get("all_classes"),
                                      "source": os.fspath(path)}))
     return select_examples(examples, tasks, limit)
@@ -294,17 +402,24 @@ def load_longbench(paths: str | os.PathLike | Sequence[str | os.PathLike], *, to
 
 
 def _read_jsonl(path) -> Iterable[tuple[int, dict]]:
+    found = False
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err}).") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object per line.")
-            yield number, record
+        try:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({err}).") from err
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number}: expected a JSON object per line.")
+                found = True
+                yield number, record
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err}); give a JSONL file.") from None
+    if not found:  # an empty file is a mistake (or a cut-short write), never an empty suite to skip
+        raise ValueError(f"{path}: no records (the file is empty); give a JSONL file with one record per line.")
 
 
 def suite_sha256(source: str | os.PathLike) -> str:
@@ -354,6 +469,7 @@ def select_examples(examples: list[EvalExample], tasks: Sequence[str] | None, li
                              f"{sorted({e.task for e in examples})}).")
         examples = [e for e in examples if e.task in set(tasks)]
     if limit is not None:
+        limit = integer("limit (examples per task)", limit, minimum=1)
         kept, seen = [], {}
         for example in examples:
             seen[example.task] = seen.get(example.task, 0) + 1

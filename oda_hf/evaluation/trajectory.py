@@ -200,14 +200,17 @@ def render_png(tokens: Sequence[str], decisions: Sequence, path: str | os.PathLi
             if item.role != "prompt":
                 ax.add_patch(Rectangle((col, line + 0.08), width, 0.84, facecolor=COLORS[item.role], linewidth=0))
             ax.text(col, line + 0.5, text, family=family, fontsize=fontsize, va="center", ha="left",
+                    parse_math=False,  # a token like "$x$" is text, not mathtext
                     color="#868e96" if item.role == "prompt" else "black")
             if item.answer:
                 ax.plot([col, col + width], [line + 0.95, line + 0.95], color=UNDERLINE, linewidth=2.2,
                         solid_capstyle="butt")
         heading = (title + " — " if title else "") + summary_line(items)
         fig.suptitle(heading + "\ngrey: prefill · blue: Local · pink: Full · orange underline: reference answer",
-                     fontsize=8, x=0.01, y=0.995, ha="left", va="top")
-        fig.savefig(path, dpi=110)
+                     fontsize=8, x=0.01, y=0.995, ha="left", va="top", parse_math=False)
+        from .report import save_figure
+
+        save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -236,8 +239,23 @@ def render_record(record: dict, tokenizer, *, html_path: str | os.PathLike | Non
         scores = [scores_full[k] for k in keep][1:] if scores_full is not None else None
     title = f"{record.get('task', '')} {record.get('id', '')} · {record.get('policy', '')}".strip()
     if html_path is not None:
-        with open(html_path, "w", encoding="utf-8") as f:
-            f.write(render_html(tokens, decisions, answers=record.get("answers", ()), head_scores=scores, title=title))
+        from ..files import write_text
+
+        write_text(html_path, render_html(tokens, decisions, answers=record.get("answers", ()), head_scores=scores,
+                                          title=title))
     if png_path is not None:
         render_png(tokens, decisions, png_path, answers=record.get("answers", ()), title=title)
     return align(tokens, decisions, record.get("answers", ()), scores)
+
+
+def file_stem(example_id: str) -> str:
+    """A file name for an example id: characters other than letters, digits, ``.``, ``-`` and ``_`` become ``_``
+    (a ``/``, a NUL or a leading ``.`` in an id must not reach the file system), at most 120 characters; an id that
+    had to change gets a short hash so that two ids never share a file."""
+    import hashlib
+    import re
+
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", example_id).lstrip(".") or "_"
+    if stem == example_id.replace("/", "_") and len(stem) <= 120:
+        return stem  # RULER-style ids ("cwe/4096/test/0") keep their readable names
+    return f"{stem[:100]}-{hashlib.sha256(example_id.encode()).hexdigest()[:12]}"

@@ -16,47 +16,76 @@ Multi-GPU: launch the same command with ``torchrun --nproc-per-node N -m oda_hf.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
                           user_input)
 from ..known_models import base_argument
+from ..validation import MAX_SPAN, argument, integer, number
+
+#: Head input variants (`oda_hf.head.INPUT_VARIANTS`; spelled out so that building the parser imports no torch).
+INPUT_VARIANTS = ("H", "E", "L", "HE", "HL", "EL", "HEL")
+MAX_WIDTH = 1 << 20  # = oda_hf.head.MAX_WIDTH
+
+
+def path_argument(text: str) -> str:
+    """argparse type for a file or folder flag: an empty string names nothing (it would mean the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file or folder path; got an empty string.")
+    return text
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train-head", help="train a recall head on paired supervision (head-only checkpoints)",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
-    parser.add_argument("--data", default=None, help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
-    parser.add_argument("--from-cache", default=None,
+    parser.add_argument("--data", type=path_argument, default=None,
+                        help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
+    parser.add_argument("--from-cache", type=path_argument, default=None,
                         help="train on a supervision cache from `oda cache-supervision` instead of --data (no backbone "
                              "pass per update; s, w and tau_hist come from the cache)")
-    parser.add_argument("--output", required=True, help="output folder (checkpoints and the final head)")
+    parser.add_argument("--output", type=path_argument, required=True,
+                        help="output folder (checkpoints and the final head)")
     parser.add_argument("--tokenizer", type=base_argument, default=None,
                         help="tokenizer id or folder for text records (default: --base's, if it has one)")
-    parser.add_argument("--sinks", type=int, default=None, help="sink positions s (default 4)")
-    parser.add_argument("--window", type=int, default=None, help="recent window w incl. current token (default 2048)")
-    parser.add_argument("--lambda", dest="oda_lambda", type=float, default=0.0, help="Full-call penalty lambda (default 0)")
-    parser.add_argument("--tau-hist", type=float, default=None, help="history threshold tau_hist (default 0.001)")
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0, maximum=MAX_SPAN), default=None,
+                        help="sink positions s (default 4)")
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1, maximum=MAX_SPAN), default=None,
+                        help="recent window w incl. current token (default 2048)")
+    parser.add_argument("--lambda", dest="oda_lambda", type=argument(number, "lambda", minimum=0.0), default=0.0,
+                        help="Full-call penalty lambda (default 0)")
+    parser.add_argument("--tau-hist", type=argument(number, "tau-hist"), default=None,
+                        help="history threshold tau_hist (default 0.001)")
     parser.add_argument("--loss-reduction", choices=("micro", "step"), default="micro",
                         help="micro: mean of microbatch means; step: sum / eligible tokens of the update")
-    parser.add_argument("--max-steps", type=int, default=1000, help="optimizer updates (default 1000)")
-    parser.add_argument("--epochs", type=float, default=None,
+    parser.add_argument("--max-steps", type=argument(integer, "max-steps", minimum=1), default=1000,
+                        help="optimizer updates (default 1000)")
+    parser.add_argument("--epochs", type=argument(number, "epochs", minimum=0.0, exclusive_minimum=True, maximum=1e6),
+                        default=None,
                         help="passes over the data instead of --max-steps (natural with --from-cache)")
-    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
-    parser.add_argument("--warmup-steps", type=int, default=102, help="linear warm-up updates (default 102)")
-    parser.add_argument("--batch-size", type=int, default=1, help="rows per microbatch and device (default 1)")
-    parser.add_argument("--grad-accum", type=int, default=1, help="microbatches per update (default 1)")
-    parser.add_argument("--seq-len", type=int, default=8192,
+    parser.add_argument("--lr", type=argument(number, "lr", minimum=0.0, exclusive_minimum=True), default=3e-4,
+                        help="peak learning rate (default 3e-4)")
+    parser.add_argument("--warmup-steps", type=argument(integer, "warmup-steps", minimum=0), default=102,
+                        help="linear warm-up updates (default 102)")
+    parser.add_argument("--batch-size", type=argument(integer, "batch-size", minimum=1), default=1,
+                        help="rows per microbatch and device (default 1)")
+    parser.add_argument("--grad-accum", type=argument(integer, "grad-accum", minimum=1), default=1,
+                        help="microbatches per update (default 1)")
+    parser.add_argument("--seq-len", type=argument(integer, "seq-len", minimum=2, maximum=MAX_SPAN), default=8192,
                         help="tokens per packed row (default 8192; unused with --from-cache: the cache holds rows)")
-    parser.add_argument("--save-steps", type=int, default=200, help="updates between head checkpoints (default 200)")
-    parser.add_argument("--logging-steps", type=int, default=10, help="updates between log lines (default 10)")
-    parser.add_argument("--head-width", type=int, default=None, help="head tower width m (default hidden/2)")
-    parser.add_argument("--input-variant", default=None, help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
+    parser.add_argument("--save-steps", type=argument(integer, "save-steps", minimum=1), default=200,
+                        help="updates between head checkpoints (default 200)")
+    parser.add_argument("--logging-steps", type=argument(integer, "logging-steps", minimum=1), default=10,
+                        help="updates between log lines (default 10)")
+    parser.add_argument("--head-width", type=argument(integer, "head-width", minimum=1, maximum=MAX_WIDTH),
+                        default=None, help="head tower width m (default hidden/2)")
+    parser.add_argument("--input-variant", default=None, choices=INPUT_VARIANTS,
+                        help="head inputs: H, E, L, HE, HL, EL or HEL (default HEL)")
     parser.add_argument("--dtype", type=dtype_name, default="auto",
                         help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--seed", type=argument(integer, "seed", minimum=0, maximum=2**32 - 1), default=42)
+    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=None,
                         help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
     parser.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --output")
     parser.add_argument("--allow-changed-settings", action="store_true",
@@ -71,11 +100,14 @@ def run_cli(args) -> int:
     from transformers import AutoModelForCausalLM, set_seed
 
     from ..config import OdaConfig
+    from ..files import output_lock
     from ..head import RecallHead, RecallHeadConfig
     from ..modeling import OdaForCausalLM
-    from .data import OdaDataCollator, PackedDataset, min_document_length, pack_documents, read_documents
+    from .data import (OdaDataCollator, PackedDataset, check_token_ids, min_document_length, pack_documents,
+                       read_documents)
     from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
+    check_output_folder("--output", args.output)
     cache = _data_source(args)  # fills in sinks / window / tau_hist (from the cache if training from one)
     with user_input("--sinks/--window"):
         OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
@@ -86,15 +118,10 @@ def run_cli(args) -> int:
         raise UsageError(f"--seq-len {args.seq_len} is shorter than s + w + 2 = {min_length} tokens, the shortest row "
                          f"with an eligible position: use --seq-len >= {min_length} or a smaller --window/--sinks.")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     set_seed(args.seed)
-    checkpoint = None
-    if args.resume:
-        checkpoint = last_complete_checkpoint(args.output)
-        if checkpoint is None:
-            raise UsageError(f"--resume: no complete checkpoint-* folder in {args.output}; run without --resume to start.")
+    if args.resume and last_complete_checkpoint(args.output, clean=False) is None:  # before the data is read
+        raise UsageError(f"--resume: no complete checkpoint-* folder in {args.output}; run without --resume to start.")
 
     tokenizer = data_tokenizer(args.tokenizer, args.base) if cache is None else None
     if cache is not None:
@@ -102,7 +129,7 @@ def run_cli(args) -> int:
         print(f"[oda] supervision cache {args.from_cache}: {len(cache)} rows, {cache.num_positions} eligible "
               f"positions, s={args.sinks} w={args.window} tau_hist={args.tau_hist}", file=sys.stderr)
     else:
-        with user_input("--data"):
+        with user_input("--data"), _needs_datasets():
             rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
         print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
               f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
@@ -113,46 +140,106 @@ def run_cli(args) -> int:
             raise UsageError(f"No training row: every document is shorter than s + w + 2 = {min_length} tokens. Use "
                              "longer documents or a smaller --window.")
 
-    require_model_source("--base", args.base)
-    with user_input("--base", "give a local model folder or a hub id available offline"):
-        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype),
-                                                    attn_implementation="sdpa")
-    if checkpoint is not None:
-        head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights are reloaded on resume
-        for option, key in (("--head-width", "head_width"), ("--input-variant", "input_variant")):
-            asked, trained = getattr(args, key), getattr(head.config, key)
-            if asked is not None and asked != trained:
-                raise UsageError(f"--resume: {checkpoint} holds a head with {key}={trained!r}, but {option} asks for "
-                                 f"{asked!r}. Drop {option} to resume it, or start a new --output.")
-    else:
-        head = RecallHead(RecallHeadConfig.for_base(base, head_width=args.head_width,
-                                                    input_variant=args.input_variant or "HEL"))
-    model = OdaForCausalLM(base, head, OdaConfig(sinks=args.sinks, window=args.window, policy="head"))
+    # One writer per output folder: two runs into it would interleave checkpoints and the final head.
+    with contextlib.ExitStack() as held:
+        with user_input("--output", "give a folder you can write to"):  # e.g. a parent that is a file
+            held.enter_context(output_lock(args.output, "this head"))
+        remove_interrupted_writes(args.output)
+        checkpoint = None
+        if args.resume:
+            checkpoint = last_complete_checkpoint(args.output)
+            if checkpoint is None:
+                raise UsageError(f"--resume: no complete checkpoint-* folder in {args.output}; run without --resume to "
+                                 "start.")
 
-    training_args = OdaTrainingArguments(
-        output_dir=args.output, max_steps=args.max_steps if args.epochs is None else -1,
-        num_train_epochs=args.epochs if args.epochs is not None else 3.0, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
-        save_strategy="steps", save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed,
-        disable_tqdm=False, oda_lambda=args.oda_lambda, oda_tau_hist=args.tau_hist,
-        oda_loss_reduction=args.loss_reduction, oda_sinks=args.sinks, oda_window=args.window,
-        use_cpu=not torch.cuda.is_available(), oda_allow_changed_settings=args.allow_changed_settings,
-    )
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
-        base.config.get_text_config(decoder=True).pad_token_id
-    if cache is not None:
-        from .supervision_cache import OdaCacheTrainer
+        require_model_source("--base", args.base)
+        with user_input("--base", "give a local model folder or a hub id available offline"):
+            base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch_dtype(args.dtype),
+                                                        attn_implementation="sdpa")
+        if rows is not None:
+            with user_input("--data", "tokenize it with --base's tokenizer"):
+                check_token_ids(rows, base.config.get_text_config(decoder=True).vocab_size)
+        if checkpoint is not None:
+            with user_input(f"--resume: {checkpoint}", "start a new --output, or delete that checkpoint"):
+                head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights reload on resume
+            for option, key in (("--head-width", "head_width"), ("--input-variant", "input_variant")):
+                asked, trained = getattr(args, key), getattr(head.config, key)
+                if asked is not None and asked != trained:
+                    raise UsageError(f"--resume: {checkpoint} holds a head with {key}={trained!r}, but {option} asks "
+                                     f"for {asked!r}. Drop {option} to resume it, or start a new --output.")
+        else:
+            with user_input("--head-width/--base"):
+                head = RecallHead(RecallHeadConfig.for_base(base, head_width=args.head_width,
+                                                            input_variant=args.input_variant or "HEL"))
+        with user_input("--resume" if checkpoint is not None else "--base", "start a new --output"):
+            model = OdaForCausalLM(base, head, OdaConfig(sinks=args.sinks, window=args.window, policy="head"))
 
-        trainer = OdaCacheTrainer(model=model, args=training_args, cache=cache)
-    else:
-        trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
-                             data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
-                             supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
-    result = trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(args.output)
+        with user_input("train-head"):
+            training_args = OdaTrainingArguments(
+                output_dir=args.output, max_steps=args.max_steps if args.epochs is None else -1,
+                num_train_epochs=args.epochs if args.epochs is not None else 3.0,
+                per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+                learning_rate=args.lr, warmup_steps=args.warmup_steps, save_strategy="steps",
+                save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed, disable_tqdm=False,
+                oda_lambda=args.oda_lambda, oda_tau_hist=args.tau_hist, oda_loss_reduction=args.loss_reduction,
+                oda_sinks=args.sinks, oda_window=args.window, use_cpu=not torch.cuda.is_available(),
+                oda_allow_changed_settings=args.allow_changed_settings,
+            )
+        pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
+            base.config.get_text_config(decoder=True).pad_token_id
+        data_flag = "--from-cache" if cache is not None else "--data"
+        with user_input(data_flag):
+            if cache is not None:
+                from .supervision_cache import OdaCacheTrainer
+
+                trainer = OdaCacheTrainer(model=model, args=training_args, cache=cache)
+            else:
+                trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
+                                     data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
+                                     supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
+        # The resume and supervision checks of train(), run first so that a mistake reads as one line.
+        with user_input("--resume" if checkpoint is not None else data_flag):
+            checkpoint = trainer.check_before_training(checkpoint)
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model(args.output)
     print(f"[oda] {result.global_step} updates ({trainer.skipped_updates} skipped without eligible tokens), "
           f"final loss {result.training_loss:.5f}; recall head saved to {args.output}", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _needs_datasets():
+    """Reading a save_to_disk folder needs the optional `datasets` package: a missing one is a one-line error."""
+    try:
+        yield
+    except ImportError as err:
+        raise UsageError(f"--data: {err}") from None
+
+
+def check_output_folder(flag: str, path: str) -> None:
+    """An output folder flag must not name an existing file (the lock and every save would fail on it)."""
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a file, not a folder: give a new or existing folder.")
+
+
+def remove_interrupted_writes(output: str) -> None:
+    """Leftovers of a killed run into `output` (staged checkpoints, partial files, a staged final head beside
+    it), so that running the same command again leaves exactly what an uninterrupted run leaves. Call only
+    while holding `output`'s lock."""
+    import os
+    import shutil
+
+    from ..files import remove_stale_partials
+    from .trainer import STAGING_PREFIX
+
+    output = os.path.abspath(output)
+    remove_stale_partials(output)
+    remove_stale_partials(os.path.dirname(output), names=[os.path.basename(output)])
+    for name in os.listdir(output):
+        if name.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(output, name)):
+            shutil.rmtree(os.path.join(output, name), ignore_errors=True)
 
 
 SETTING_DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001}

@@ -31,16 +31,27 @@ def _token_list(values, where: str) -> list[int]:
     return list(values)
 
 
+def _label_list(values, where: str) -> list[int]:
+    # A string or a list of floats would pass list() and fail later inside torch, far from the record.
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and (v >= 0 or v == IGNORE_INDEX) for v in values):
+        raise ValueError(f"{where}: 'labels' must be a list of token ids (integers >= 0) or {IGNORE_INDEX} for masked "
+                         "positions.")
+    return list(values)
+
+
 def _document(record: dict, tokenizer, where: str) -> dict:
     if "input_ids" in record:
         doc = {"input_ids": _token_list(record["input_ids"], where)}
         if record.get("labels") is not None:
-            labels = list(record["labels"])
+            labels = _label_list(record["labels"], where)
             if len(labels) != len(doc["input_ids"]):
                 raise ValueError(f"{where}: 'labels' and 'input_ids' differ in length.")
             doc["labels"] = labels
         return doc
     if "text" in record:
+        if not isinstance(record["text"], str):
+            raise ValueError(f"{where}: 'text' must be a string; got {type(record['text']).__name__}.")
         if tokenizer is None:
             raise ValueError(f"{where}: text records need a tokenizer (--tokenizer).")
         return {"input_ids": list(tokenizer(record["text"])["input_ids"])}
@@ -79,6 +90,18 @@ def read_documents(path: str, tokenizer=None) -> Iterator[dict]:
             yield _document(record, tokenizer, f"{path}:{line_number}")
 
 
+def check_token_ids(rows: list[dict], vocab_size: int) -> None:
+    """Raise ValueError if a packed row holds a token id (or label) outside the base model's vocabulary: the
+    embedding lookup would fail mid-training (or, on GPU, read out of bounds)."""
+    for i, row in enumerate(rows):
+        for key in ("input_ids", "labels"):
+            values = row.get(key) or []
+            largest = max(values, default=-1)
+            if largest >= vocab_size:
+                raise ValueError(f"packed row {i} holds {key} {largest}, outside the base model's vocabulary of "
+                                 f"{vocab_size} tokens: the data was tokenized for another model.")
+
+
 @dataclass
 class PackingStats:
     documents: int = 0
@@ -91,8 +114,8 @@ class PackingStats:
 
 def pack_documents(documents: Iterable[dict], seq_len: int, min_length: int = 2) -> tuple[list[dict], PackingStats]:
     """Greedy packing into rows of at most `seq_len` tokens (see the module docstring)."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2; got {seq_len}.")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len must be an integer >= 2; got {seq_len!r}.")
     if min_length > seq_len:
         raise ValueError(f"seq_len={seq_len} is shorter than min_length={min_length} (s + w + 2 for training): no row "
                          "could hold an eligible position. Use a longer seq_len or a smaller window.")

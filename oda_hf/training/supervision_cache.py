@@ -47,12 +47,14 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from ..files import atomic_path, output_lock, remove_stale_partials, write_json
 from ..head import base_fingerprint as weights_fingerprint
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
 from .losses import regression_target, token_losses
 from .paired import LM_CHUNK, paired_supervision
 from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+from ..validation import MAX_SPAN, integer, number
 
 MANIFEST_NAME = "manifest.json"
 CACHE_FORMAT = "oda-supervision-cache/1"
@@ -88,11 +90,42 @@ def _shard_name(index: int, count: int) -> str:
     return f"shard-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+def _read_manifest(path: str) -> dict:
+    """The manifest at `path`, checked field by field: a hand-edited or corrupt one is a one-line ValueError
+    naming the field, not a KeyError in the middle of training (or a shard path outside the folder)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): delete the cache folder and cache again.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} is not an oda supervision cache ({CACHE_FORMAT}); got format {got!r}. Use an "
+                         "empty --output folder, or give the folder `oda cache-supervision` wrote.")
+    try:
+        for key, minimum, maximum in (("sinks", 0, MAX_SPAN), ("window", 1, MAX_SPAN), ("rows", 1, None),
+                                      ("rows_per_shard", 1, None), ("hidden_size", 1, None)):
+            integer(f"{MANIFEST_NAME}: {key}", manifest.get(key), minimum=minimum, maximum=maximum)
+        if manifest.get("seq_len") is not None:
+            integer(f"{MANIFEST_NAME}: seq_len", manifest["seq_len"], minimum=2)
+        number(f"{MANIFEST_NAME}: tau_hist", manifest.get("tau_hist"))
+        if manifest.get("dtype") not in STORAGE_DTYPES:
+            raise ValueError(f"`{MANIFEST_NAME}: dtype` must be one of {sorted(STORAGE_DTYPES)}; got "
+                             f"{manifest.get('dtype')!r}.")
+        shards = manifest.get("shards")
+        if not isinstance(shards, list) or not all(isinstance(shard, dict) for shard in shards):
+            raise ValueError(f"`{MANIFEST_NAME}: shards` must be a list of objects; got {shards!r:.80}.")
+        count = -(-manifest["rows"] // manifest["rows_per_shard"])
+        for shard in shards:
+            index = integer(f"{MANIFEST_NAME}: shard index", shard.get("index"), minimum=0, maximum=count - 1)
+            if shard.get("file") != _shard_name(index, count):
+                raise ValueError(f"`{MANIFEST_NAME}: shard {index} file` must be {_shard_name(index, count)!r}; got "
+                                 f"{shard.get('file')!r}.")
+            for key in ("first_row", "rows", "positions", "bytes"):
+                integer(f"{MANIFEST_NAME}: shard {index} {key}", shard.get(key), minimum=0)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path} is damaged: {err} Delete the cache folder and cache again.") from None
+    return manifest
 
 
 def _check_identity(path: str, existing: dict, wanted: dict) -> None:
@@ -116,16 +149,22 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
 
     `rows` are packed rows as `pack_documents` makes them; `seq_len` (their packing length) is recorded.
     """
-    if dtype not in STORAGE_DTYPES:
+    if not isinstance(dtype, str) or dtype not in STORAGE_DTYPES:
         raise ValueError(f"Unknown storage dtype {dtype!r}; use one of {sorted(STORAGE_DTYPES)} (float32 keeps "
                          "training from the cache equal to training with recomputation).")
-    if rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard must be >= 1; got {rows_per_shard}.")
+    rows_per_shard = integer("rows_per_shard", rows_per_shard, minimum=1)
+    # A NaN or infinite tau_hist would be stored in the manifest, and no training run could match it.
+    tau_hist = number("tau_hist", tau_hist, meaning="the history threshold")
+    if seq_len is not None:
+        seq_len = integer("seq_len", seq_len, minimum=2, maximum=MAX_SPAN)
+    lm_chunk = integer("lm_chunk", lm_chunk, minimum=1)
     if not rows:
         raise ValueError("No packed row to cache: the training data is empty (or every document was too short).")
     output_dir = os.fspath(output_dir)
-    sinks = model.oda_config.sinks if sinks is None else sinks
-    window = model.oda_config.window if window is None else window
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"{output_dir} is a file: write the supervision cache to a folder.")
+    sinks = model.oda_config.sinks if sinks is None else integer("sinks", sinks, minimum=0, maximum=MAX_SPAN)
+    window = model.oda_config.window if window is None else integer("window", window, minimum=1, maximum=MAX_SPAN)
     hidden_size = model.config.get_text_config(decoder=True).hidden_size
     num_shards = -(-len(rows) // rows_per_shard)
     manifest = {
@@ -134,15 +173,25 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
         "seq_len": seq_len, "data_sha256": rows_sha256(rows), "rows": len(rows), "rows_per_shard": rows_per_shard,
         "dtype": dtype, "hidden_size": hidden_size, "shards": [],
     }
+    # One writer per cache folder; the lock is held until the last shard is recorded.
+    with output_lock(output_dir, "this supervision cache"):
+        remove_stale_partials(output_dir)  # temporaries of a killed run: nothing reads them
+        _write_shards(model, rows, output_dir, manifest, num_shards, sinks=sinks, window=window, tau_hist=tau_hist,
+                      rows_per_shard=rows_per_shard, dtype=dtype, pad_token_id=pad_token_id, lm_chunk=lm_chunk,
+                      progress=progress)
+    return SupervisionCache(output_dir)
+
+
+def _write_shards(model, rows, output_dir: str, manifest: dict, num_shards: int, *, sinks: int, window: int,
+                  tau_hist: float, rows_per_shard: int, dtype: str, pad_token_id: int, lm_chunk: int,
+                  progress: bool) -> None:
     path = os.path.join(output_dir, MANIFEST_NAME)
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            existing = json.load(f)
+        existing = _read_manifest(path)
         _check_identity(path, existing, manifest)
-        manifest["shards"] = [s for s in existing.get("shards", [])
-                              if os.path.isfile(os.path.join(output_dir, s["file"]))]
-    os.makedirs(output_dir, exist_ok=True)
-    _write_json_atomic(path, manifest)
+        # A shard counts once the manifest records it and its file is there (written atomically before).
+        manifest["shards"] = [s for s in existing["shards"] if os.path.isfile(os.path.join(output_dir, s["file"]))]
+    write_json(path, manifest)
 
     done = {s["index"] for s in manifest["shards"]}
     collator = OdaDataCollator(pad_token_id=pad_token_id)
@@ -169,15 +218,15 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
         tensors = {key: torch.cat(values).contiguous() for key, values in parts.items()}
         tensors["row_offsets"] = torch.tensor(offsets, dtype=torch.int64)
         name = _shard_name(index, num_shards)
-        tmp = os.path.join(output_dir, f".{name}.tmp")
-        safetensors.torch.save_file(tensors, tmp, metadata={"first_row": str(first), "rows": str(stop - first)})
-        os.replace(tmp, os.path.join(output_dir, name))
+        with atomic_path(os.path.join(output_dir, name)) as temporary:
+            # One metadata key: safetensors writes the metadata map in hash order, so two keys would make
+            # the same shard differ in bytes from run to run.
+            safetensors.torch.save_file(tensors, temporary, metadata={"rows": f"{first}:{stop}"})
         manifest["shards"].append({"index": index, "file": name, "first_row": first, "rows": stop - first,
                                    "positions": offsets[-1], "bytes": os.path.getsize(os.path.join(output_dir, name))})
         manifest["shards"].sort(key=lambda s: s["index"])
-        _write_json_atomic(path, manifest)
+        write_json(path, manifest)
     bar.close()
-    return SupervisionCache(output_dir)
 
 
 class SupervisionCache:
@@ -189,15 +238,16 @@ class SupervisionCache:
         if not os.path.isfile(manifest_path):
             raise FileNotFoundError(f"{self.path} holds no {MANIFEST_NAME}: write a cache with "
                                     "`oda cache-supervision` (or cache_supervision()) first.")
-        with open(manifest_path, encoding="utf-8") as f:
-            self.manifest = json.load(f)
-        if self.manifest.get("format") != CACHE_FORMAT:
-            raise ValueError(f"{manifest_path} is not an oda supervision cache ({CACHE_FORMAT}).")
+        self.manifest = _read_manifest(manifest_path)
         self.shards = sorted(self.manifest["shards"], key=lambda s: s["index"])
         covered = sum(s["rows"] for s in self.shards)
         if covered != self.manifest["rows"]:
             raise ValueError(f"{self.path} is incomplete: {covered} of {self.manifest['rows']} rows cached. Rerun "
                              "the same `oda cache-supervision` command to finish it (finished shards are kept).")
+        missing = [s["file"] for s in self.shards if not os.path.isfile(os.path.join(self.path, s["file"]))]
+        if missing:
+            raise ValueError(f"{self.path} is missing {len(missing)} shard file(s) its manifest records (e.g. "
+                             f"{missing[0]}): rerun the same `oda cache-supervision` command to write them again.")
         self._first_rows = [s["first_row"] for s in self.shards]
         self._handles: dict[int, object] = {}
         self._offsets: dict[int, torch.Tensor] = {}

@@ -23,7 +23,9 @@ What differs from a stock Trainer:
   `RecallHead.save_pretrained`, plus ``oda_config.json``); resuming loads them back into the head.
   Each is written under a temporary name and renamed when complete, so a run killed mid-save never
   leaves a partial ``checkpoint-N``; ``resume_from_checkpoint=True`` takes the newest complete one
-  (`last_complete_checkpoint`). No pickle: the training arguments are saved as JSON.
+  (`last_complete_checkpoint`). The final head (`save_model`) is staged beside its folder and moved in
+  with ``config.json`` last, so it is complete or absent too. No pickle: the training arguments are
+  saved as JSON.
 * ``oda_training.json`` (in every checkpoint and the final folder) records the settings that define
   the supervision (`OdaTrainer.supervision_settings`). Resuming with other settings is an error
   naming them, unless ``oda_allow_changed_settings=True``; the file then keeps the change in its
@@ -33,7 +35,6 @@ What differs from a stock Trainer:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import OdaConfig
+from ..files import publish_files, staging_folder
+from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
 from .layout import count_eligible
@@ -87,14 +90,9 @@ class OdaTrainingArguments(TrainingArguments):
     ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "See DDP."})
 
     def __post_init__(self):
+        self._check_values()
         super().__post_init__()
         check_reduction(self.oda_loss_reduction)
-        if not math.isfinite(self.oda_lambda) or self.oda_lambda < 0:
-            raise ValueError(f"oda_lambda is a Full-call penalty: a finite number >= 0; got {self.oda_lambda}.")
-        if math.isnan(self.oda_tau_hist):
-            raise ValueError("oda_tau_hist must be a number (use 0 to always feed the trunk state at g >= 0).")
-        if self.oda_lm_chunk < 1:
-            raise ValueError(f"oda_lm_chunk must be >= 1; got {self.oda_lm_chunk}.")
         if getattr(self, "activation_checkpointing", False):
             raise ValueError("The backbone runs without gradients and the head is small: activation checkpointing "
                              "has nothing to save here; leave it off.")
@@ -104,16 +102,45 @@ class OdaTrainingArguments(TrainingArguments):
                 "with: load the base model in bfloat16/float16 instead of setting bf16/fp16."
             )
 
+    def _check_values(self) -> None:
+        """Counts and rates a Trainer run needs, checked before the stock arguments use them: a zero accumulation
+        would divide by zero, zero epochs or steps (or lr 0) would save an untrained head as if trained."""
+        self.per_device_train_batch_size = integer("per_device_train_batch_size", self.per_device_train_batch_size,
+                                                   minimum=1)
+        self.gradient_accumulation_steps = integer("gradient_accumulation_steps", self.gradient_accumulation_steps,
+                                                   minimum=1)
+        self.max_steps = integer("max_steps", self.max_steps, minimum=-1)
+        if self.max_steps == 0:
+            raise ValueError("`max_steps` must be >= 1 (optimizer updates), or -1 to train for num_train_epochs; "
+                             "got 0.")
+        if self.max_steps < 0:  # epochs decide
+            number("num_train_epochs", self.num_train_epochs, minimum=0.0, exclusive_minimum=True)
+        number("learning_rate", self.learning_rate, minimum=0.0, exclusive_minimum=True)
+        number("warmup_steps", self.warmup_steps, minimum=0.0)
+        for name in ("save_steps", "logging_steps"):  # a float < 1 is the stock "fraction of training"
+            if getattr(self, name) is not None:
+                number(name, getattr(self, name), minimum=0.0, exclusive_minimum=True)
+        self.seed = integer("seed", self.seed, minimum=0, maximum=2**32 - 1)
+        number("oda_lambda", self.oda_lambda, minimum=0.0, meaning="a Full-call penalty")
+        number("oda_tau_hist", self.oda_tau_hist, meaning="the history threshold")
+        if self.oda_sinks is not None:
+            self.oda_sinks = integer("oda_sinks", self.oda_sinks, minimum=0, maximum=MAX_SPAN)
+        if self.oda_window is not None:
+            self.oda_window = integer("oda_window", self.oda_window, minimum=1, maximum=MAX_SPAN)
+        self.oda_lm_chunk = integer("oda_lm_chunk", self.oda_lm_chunk, minimum=1)
+
 
 def is_complete_checkpoint(folder: str) -> bool:
-    """A checkpoint folder whose head weights and (last written) trainer state are there and readable."""
+    """A checkpoint folder whose head weights, head config and (last written) trainer state are there and readable."""
     if not os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
         return False
-    try:
-        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as f:
-            json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return False
+    for name in (TRAINER_STATE_NAME, "config.json"):  # a 0-byte config.json of an older, non-atomic save
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                if not isinstance(json.load(f), dict):
+                    return False
+        except (OSError, ValueError):
+            return False
     return True
 
 
@@ -325,6 +352,15 @@ class OdaTrainer(Trainer):
 
     # -- a dataset without supervision is an error, not a silent no-op --------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        resume_from_checkpoint = self.check_before_training(resume_from_checkpoint)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.state.global_step > 0 and self.applied_updates == 0 and self.skipped_updates > 0:
+            raise ValueError(self._no_supervision_message("the training data"))
+        return output
+
+    def check_before_training(self, resume_from_checkpoint: str | bool | None = None):
+        """The checks `train` makes first (the checkpoint is complete and has the same supervision settings; the
+        data has supervision); returns the checkpoint to resume from. Raises ValueError naming the problem."""
         if resume_from_checkpoint is True:  # the stock pick would take a partial folder
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, clean=self.args.should_save)
             if resume_from_checkpoint is None:
@@ -336,10 +372,7 @@ class OdaTrainer(Trainer):
                                  "resume_from_checkpoint=True to take the newest complete one.")
             self._check_resume_settings(resume_from_checkpoint)
         self._check_supervision()
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if self.state.global_step > 0 and self.applied_updates == 0 and self.skipped_updates > 0:
-            raise ValueError(self._no_supervision_message("the training data"))
-        return output
+        return resume_from_checkpoint
 
     def _check_resume_settings(self, checkpoint: str) -> None:
         """Resuming must keep the supervision the checkpoint was trained with (unless explicitly allowed)."""
@@ -353,8 +386,16 @@ class OdaTrainer(Trainer):
                                  "resume anyway, or start a new output folder.")
             logger.warning(message + "; resuming anyway (allowed).")
             return
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path} is unreadable ({err}): resume from another checkpoint or start a new output "
+                             "folder.") from None
+        if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict) \
+                or not isinstance(saved.get("history", []), list):
+            raise ValueError(f"{path} is not an {SETTINGS_NAME} written by OdaTrainer (it needs a 'settings' object "
+                             "and a 'history' list): resume from another checkpoint or start a new output folder.")
         self._settings_history = list(saved.get("history", []))
         differences = _differences(saved["settings"], self.supervision_settings)
         if not differences:
@@ -389,20 +430,28 @@ class OdaTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
-        os.makedirs(output_dir, exist_ok=True)
+        if os.path.isfile(output_dir):
+            raise ValueError(f"{output_dir} is a file: save the recall head to a folder.")
         head = self.oda_model.recall_head
         training = (f"Trained with oda_hf's OdaTrainer: paired supervision, lambda={self.args.oda_lambda}, "
                     f"tau_hist={self.args.oda_tau_hist}, reduction={self.args.oda_loss_reduction}, "
                     f"s={self.oda_sinks}, w={self.oda_window}, {self.state.global_step} updates.")
-        head.save_pretrained(output_dir, model_card_fields={"training": training})
-        config = self.oda_model.oda_config
-        OdaConfig(sinks=self.oda_sinks, window=self.oda_window, threshold=config.threshold,
-                  policy="head").save_pretrained(output_dir)
-        with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
-            f.write(self.args.to_json_string())  # JSON, not the stock pickled training_args.bin
-        with open(os.path.join(output_dir, SETTINGS_NAME), "w", encoding="utf-8") as f:
-            json.dump({"format": 1, "settings": self.supervision_settings, "history": self._settings_history}, f,
-                      indent=2)
+        # Every file is written into a staging folder and published with config.json last: a run killed while
+        # saving leaves the previous head (or none), never a mix or a 0-byte config.json.
+        staging = staging_folder(output_dir)
+        try:
+            head.save_files(staging, model_card_fields={"training": training})
+            config = self.oda_model.oda_config
+            OdaConfig(sinks=self.oda_sinks, window=self.oda_window, threshold=config.threshold,
+                      policy="head").save_pretrained(staging)
+            with open(os.path.join(staging, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
+                f.write(self.args.to_json_string())  # JSON, not the stock pickled training_args.bin
+            with open(os.path.join(staging, SETTINGS_NAME), "w", encoding="utf-8") as f:
+                json.dump({"format": 1, "settings": self.supervision_settings, "history": self._settings_history}, f,
+                          indent=2)
+            publish_files(staging, output_dir, marker="config.json")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     # -- atomic checkpoints ---------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
