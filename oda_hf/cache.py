@@ -282,8 +282,8 @@ class OdaGlobalLayer(CacheLayerMixin):
         self._ensure_workspace(int(self.valid_count.max()) + 1)
         for row in range(self.valid_count.shape[0]):
             count = int(self.valid_count[row])
-            positions = torch.arange(count)
-            positions = positions[self._workspace_keeps(positions, count)]
+            sinks = min(self.sinks, count)
+            positions = torch.cat([torch.arange(sinks), torch.arange(max(sinks, count - (self.window - 1)), count)])
             if positions.numel() == 0:
                 continue
             slots = self._workspace_slots(positions).to(self.device)

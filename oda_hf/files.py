@@ -153,6 +153,10 @@ def output_lock(folder: str | os.PathLike, what: str = "this output folder") -> 
         handle.write(f"process {os.getpid()}")
         handle.flush()
         yield
+        # Gone when the holder finishes, so it never travels with an uploaded folder; a killed holder's stays and
+        # is reused (the OS released its lock).
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, ".oda.lock"))
     finally:
         handle.close()
 

@@ -261,3 +261,28 @@ def test_exact_needs_the_head_unless_drafts_are_fixed():
         exact(model, ids, max_new_tokens=4)
     assert torch.equal(exact(model, ids, max_new_tokens=6, verify_threshold=math.inf, max_draft=3),
                        stock(model, ids, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("heads,kv_heads,length", [(6, 2, 5), (4, 1, 3), (8, 8, 4), (6, 3, 1)])
+def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, length):
+    """The verification pass's attention (query heads of a KV group stacked, mask repeated) against transformers'
+    SDPA with repeated K/V, for a causal mask over a longer history."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from oda_hf.exact import packed_sdpa_forward
+
+    generator = torch.Generator().manual_seed(heads * 10 + length)
+    history = 23
+    query = torch.randn(1, heads, length, 8, generator=generator)
+    key, value = (torch.randn(1, kv_heads, history + length, 8, generator=generator) for _ in range(2))
+    mask = torch.arange(history + length)[None, :] <= (history + torch.arange(length))[:, None]
+    mask = mask[None, None]
+    mask[..., 3] = False  # a padded column
+
+    class Module:
+        num_key_value_groups = heads // kv_heads
+
+    got, _ = packed_sdpa_forward(Module(), query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (1, length, heads, 8)
+    assert torch.allclose(got, want, atol=1e-6)
