@@ -12,7 +12,7 @@ import sys
 from .files import OutputLocked
 from .cli_common import UsageError, check_context, dtype_name, load_tokenizer, require_model_source, torch_dtype, user_input
 from .known_models import base_argument, head_argument
-from .validation import MAX_SPAN, argument, integer, number, parse_policy_text
+from .validation import MAX_SPAN, argument, integer, number, parse_policy_text, seed
 
 
 def parse_policy(text: str):
@@ -54,7 +54,13 @@ def load_model_from_args(args):
     routing = {key: getattr(args, key) for key in ("sinks", "window", "threshold", "policy")
                if getattr(args, key) is not None}
     if args.head is None:
+        if args.threshold is not None:  # only the head reads it: a run without one would silently ignore it
+            raise UsageError(f"--threshold {args.threshold:g} is the recall head's threshold, but no --head is given: "
+                             "add --head, or drop --threshold.")
         routing.setdefault("policy", "local")
+    elif args.threshold is not None and args.policy is not None and args.policy != "head":
+        raise UsageError(f"--threshold {args.threshold:g} is the recall head's threshold, but --policy {args.policy!r} "
+                         "does not ask the head: drop --threshold, or use --policy head.")
     require_model_source("--base", args.base)
     require_model_source("--head", args.head)
     with user_input("loading the model (--base/--head)",
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=128)
     generate.add_argument("--temperature", type=argument(number, "temperature", minimum=0.0), default=0.0,
                           help="0 = greedy")
-    generate.add_argument("--seed", type=argument(integer, "seed", minimum=0), default=0)
+    generate.add_argument("--seed", type=argument(seed, "seed"), default=0)
     generate.set_defaults(func=run_generate)
 
     for add_cli in _subcommands():

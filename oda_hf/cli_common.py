@@ -34,6 +34,18 @@ def dtype_name(text: str) -> str:
     return name
 
 
+def thread_count(text: str) -> int:
+    """argparse type for ``--threads``: an integer from 1 to this machine's CPU count. More threads give torch
+    nothing, and a huge count fails deep inside it ("can't start new thread") after the model has loaded."""
+    from .validation import argument, integer
+
+    value = argument(integer, "threads", minimum=1)(text)
+    cpus = os.cpu_count() or 1
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must be at most {cpus}, the number of CPUs of this machine; got {value}.")
+    return value
+
+
 def torch_dtype(name: str):
     """The ``dtype=`` value for `from_pretrained` from a `dtype_name` result."""
     if name == "auto":
@@ -120,6 +132,11 @@ def context_limit(config) -> int | None:
 def check_context(config, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> None:
     """Refuse a request past the model's context (transformers only warns, and the output past it is garbage)."""
     limit = context_limit(config)
+    if limit is not None and prompt_tokens + max_new_tokens > limit and max_new_tokens >= limit:
+        # No prompt fits ("shorten it to at most 0 tokens" would be no advice): the output cap is the mistake.
+        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no room for {what} in the model's "
+                         f"max_position_embeddings={limit}: lower --max-new-tokens to at most "
+                         f"{max(limit - prompt_tokens, 1)}.")
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         raise UsageError(
             f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new_tokens} that is "

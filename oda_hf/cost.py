@@ -934,12 +934,12 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         default=None,
                         help="comma-separated prompt lengths (default: the paper's 4139,...,516788)")
     parser.add_argument("--continuation", type=argument(integer, "continuation", minimum=2, maximum=MAX_SPAN),
-                        default=PAPER_CONTINUATION,
+                        default=None,
                         help="generated tokens incl. the prefill output (routed steps = N - 1; default 1009)")
-    parser.add_argument("--period", type=argument(integer, "period", minimum=1, maximum=MAX_SPAN), default=PAPER_PERIOD,
+    parser.add_argument("--period", type=argument(integer, "period", minimum=1, maximum=MAX_SPAN), default=None,
                         help="schedule period (default 16)")
     parser.add_argument("--full-steps", type=_list(integer, "full-steps", minimum=0, maximum=MAX_SPAN),
-                        default=list(PAPER_FULL_STEPS),
+                        default=None,
                         help="Full on the first k of every period, one ODA row per k (default 2,4,8)")
     parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0, maximum=MAX_SPAN), default=None,
                         help="sink positions s (default: the head's or 4)")
@@ -956,14 +956,14 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                        help="history length n of every row (with --batch)")
     batch.add_argument("--histories", type=_list(integer, "histories", minimum=1, maximum=MAX_SPAN), default=None,
                        help="one history length per row (continuous batching; the batch is their count)")
-    batch.add_argument("--rate", type=_list(number, "rate"), default=[0.125, 0.25, 0.5],
+    batch.add_argument("--rate", type=_list(number, "rate"), default=None,
                        help="per-row Full-call probability rho, comma-separated (default 0.125,0.25,0.5)")
-    batch.add_argument("--mode", choices=(*BATCH_MODES, "all"), default="all",
+    batch.add_argument("--mode", choices=(*BATCH_MODES, "all"), default=None,
                        help="Full retry for the whole batch when any row recalls (whole), for the recalling rows "
                             "only (rows), or all rows' projections with only the recalling rows' attention (masked)")
-    batch.add_argument("--hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
+    batch.add_argument("--hardware", choices=sorted(HARDWARE), default=None,
                        help=f"roofline peak and bandwidth (default {DEFAULT_HARDWARE})")
-    batch.add_argument("--pass-overhead-us", type=argument(number, "pass-overhead-us", minimum=0.0), default=0.0,
+    batch.add_argument("--pass-overhead-us", type=argument(number, "pass-overhead-us", minimum=0.0), default=None,
                        help="fixed microseconds per backbone pass (launch/bookkeeping; default 0)")
     parser.set_defaults(func=run_cli)
     return parser
@@ -996,8 +996,33 @@ def _head_shape(path: str) -> dict:
     return checked
 
 
+# Flags that only one of the two tables reads, with their defaults: given for the other table, they would be
+# silently ignored (``--history 100`` without --batch printed the sequence table), so they are refused.
+SEQUENCE_FLAGS = {"input_lengths": None, "continuation": PAPER_CONTINUATION, "period": PAPER_PERIOD,
+                  "full_steps": list(PAPER_FULL_STEPS)}
+BATCH_FLAGS = {"history": None, "rate": [0.125, 0.25, 0.5], "mode": "all", "hardware": DEFAULT_HARDWARE,
+               "pass_overhead_us": 0.0}
+
+
+def _check_table_flags(args) -> None:
+    """Refuse the flags of the table not printed, then fill in the defaults of the given table's flags."""
+    batch = args.batch is not None or args.histories is not None
+    unused, table = (SEQUENCE_FLAGS, "the sequence table (without --batch/--histories)") if batch else \
+        (BATCH_FLAGS, "the batch table (--batch with --history, or --histories)")
+    given = ["--" + key.replace("_", "-") for key in unused if getattr(args, key, None) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to {table}, which this "
+                         "command does not print: "
+                         f"drop {'them' if len(given) > 1 else 'it'}"
+                         + (", or add --batch with --history, or --histories." if not batch else "."))
+    for key, default in {**SEQUENCE_FLAGS, **BATCH_FLAGS}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, default)
+
+
 def run_cli(args) -> int:
     """Print the model's cost terms and the FLOPs table for `args` (from `add_cli`'s parser)."""
+    _check_table_flags(args)
     with user_input(f"--config {args.config}", "give a transformers config.json or its folder"):
         shape = ModelShape.qwen3_1_7b() if args.config is None else _as_value_error(ModelShape.from_config, args.config)
     head = {}

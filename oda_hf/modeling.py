@@ -100,6 +100,10 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         routing = {key: kwargs.pop(key) for key in ROUTING_KEYS if key in kwargs}
         if routing:
             OdaConfig.from_kwargs(**routing)  # bad routing values fail before anything is loaded
+        for name, value in (("base", base), ("head", head)):
+            if isinstance(value, (str, os.PathLike)) and not os.fspath(value).strip():
+                raise ValueError(f"`{name}` is an empty string; give a hub id, a local folder or a short name"
+                                 + (" (or head=None with a non-learned policy)." if name == "head" else "."))
         base, head = resolve_base(base), resolve_head(head)  # short names: "smollm2", "organism"
         if isinstance(base, (str, os.PathLike)):
             base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
@@ -241,7 +245,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 f"ODA needs an OdaCache, got {type(cache).__name__}. Omit past_key_values or pass model.new_cache()."
             )
 
-    def generate(self, *args, oda_fast: bool = False, oda_mode: str = "approximate", max_draft: int = 8,
+    def generate(self, *args, oda_fast: bool = False, oda_mode: str = "approximate", max_draft: int | None = None,
                  verify_threshold: float | None = None, **kwargs):
         """The stock `generate()`; afterwards `self.routing` describes this call's routing, also when the call
         continues a reused ``past_key_values`` (multi-turn chat): each call starts a new record and policy state.
@@ -264,7 +268,12 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError("oda_mode='exact' runs on the Transformers path; drop oda_fast=True.")
             from .exact import generate_exact
 
-            return generate_exact(self, *args, max_draft=max_draft, verify_threshold=verify_threshold, **kwargs)
+            return generate_exact(self, *args, max_draft=8 if max_draft is None else max_draft,
+                                  verify_threshold=verify_threshold, **kwargs)
+        for name, value in (("max_draft", max_draft), ("verify_threshold", verify_threshold)):
+            if value is not None:
+                raise ValueError(f"{name} only applies with oda_mode='exact'; drop it or pass oda_mode='exact'.")
+        _check_prompt_not_empty(args[0] if args else kwargs.get("input_ids"))
         if oda_fast:
             from .engine import fast_path_enabled, generate_fast
 
@@ -527,6 +536,13 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         from .hub import push_saved_to_hub
 
         return push_saved_to_hub(self, repo_id, **kwargs)
+
+
+def _check_prompt_not_empty(input_ids) -> None:
+    """A prompt of no token has no position to decode from (transformers fails deep inside with a reshape error)."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() >= 1 and input_ids.shape[-1] == 0:
+        raise ValueError("input_ids has no token (shape %s): ODA decodes from a prompt of at least one token."
+                         % (tuple(input_ids.shape),))
 
 
 class _RecordFinishedRows(StoppingCriteria):

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .validation import integer, probability
+from .validation import seed as check_seed
 
 
 class RoutingPolicy(ABC):
@@ -120,7 +121,7 @@ class RandomPolicy(RoutingPolicy):
 
     def __init__(self, p: float, seed: int = 42, run_head: bool = False):
         self.p = probability("RandomPolicy p", p)
-        self.seed = integer("RandomPolicy seed", seed, minimum=0)
+        self.seed = check_seed("RandomPolicy seed", seed)
         self.run_head = run_head
         self.reset()
 

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 # 2**24 = 16,777,216 positions: above every released model's context (the longest, 10M tokens), far below
 # where a typo such as window=1e9 starts; the Local workspace is sized by the request, not by this bound.
 MAX_SPAN = 2**24
+# torch.Generator.manual_seed takes at most 64 bits: a larger seed fails deep inside torch ("Overflow when
+# unpacking long long"), so it is refused here, naming the range.
+MAX_SEED = 2**64 - 1
 
-__all__ = ["MAX_SPAN", "integer", "number", "probability", "argument", "PolicySpecText", "parse_policy_text", "POLICY_HELP"]
+__all__ = ["MAX_SPAN", "MAX_SEED", "integer", "number", "probability", "seed", "argument", "PolicySpecText", "parse_policy_text", "POLICY_HELP"]
 
 
 def _show(value) -> str:
@@ -68,6 +71,14 @@ def probability(name: str, value) -> float:
     return number(name, value, minimum=0.0, maximum=1.0, meaning="a probability")
 
 
+def seed(name: str, value) -> int:
+    """`value` as a random seed: an integer in [0, 2**64 - 1], the range torch's generators accept."""
+    value = integer(name, value, minimum=0)
+    if value > MAX_SEED:
+        raise ValueError(f"`{name}` must be an integer >= 0 and <= 2**64 - 1 (the seed range of torch); got {value}.")
+    return value
+
+
 def _parse_int(text: str) -> int:
     try:
         return int(text.strip())
@@ -86,7 +97,7 @@ def argument(check: Callable, name: str = "value", **bounds) -> Callable[[str], 
     """An argparse ``type=`` that parses the text (int for `integer`, float otherwise) and applies `check`.
 
     The error reads ``argument --flag: must be an integer >= 1; got 0.`` (argparse adds the flag)."""
-    parse = _parse_int if check is integer else _parse_float
+    parse = _parse_int if check in (integer, seed) else _parse_float
 
     def convert(text: str):
         try:
@@ -129,10 +140,10 @@ def parse_policy_text(text) -> PolicySpecText:
     if kind == "random" and 1 <= len(fields) <= 2:
         try:
             p = probability("random:P", _parse_float(fields[0]))
-            seed = integer("random:P:SEED", _parse_int(fields[1]), minimum=0) if len(fields) == 2 else 42
+            seed_value = seed("random:P:SEED", _parse_int(fields[1])) if len(fields) == 2 else 42
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad policy {text!r}: {err}") from None
-        return PolicySpecText("random", p=p, seed=seed)
+        return PolicySpecText("random", p=p, seed=seed_value)
     if kind == "schedule" and len(fields) == 2:
         try:
             period = integer("schedule:K:PERIOD", _parse_int(fields[1]), minimum=1)

@@ -286,3 +286,21 @@ def test_an_unreachable_hub_id_fails_before_the_tokenizer_loader_retries(tmp_pat
     with pytest.raises(UsageError, match=r"--base \(its tokenizer\): The tokenizer 'someone/missing' is not a local "
                                          r"folder, not in the local Hugging Face cache, and the hub .* cannot be reached"):
         load_tokenizer(None, "someone/missing")
+
+
+@pytest.mark.parametrize("call,fragment", [
+    (lambda m: m.generate(torch.randint(3, 90, (1, 8)), max_new_tokens=2, max_draft=3),
+     "max_draft only applies with oda_mode='exact'"),
+    (lambda m: m.generate(torch.randint(3, 90, (1, 8)), max_new_tokens=2, oda_fast=True, verify_threshold=0.5),
+     "verify_threshold only applies with oda_mode='exact'"),
+    (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2), "input_ids has no token"),
+    (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2, oda_fast=True),
+     "input_ids has no token"),
+    (lambda m: OdaForCausalLM.from_pretrained(m.base_model, head=""), "`head` is an empty string"),
+    (lambda m: OdaForCausalLM.from_pretrained(" ", policy="full"), "`base` is an empty string"),
+])
+def test_generate_and_loading_refuse_what_they_cannot_honour(call, fragment):
+    model = OdaForCausalLM(tiny_model("qwen3"), oda_config=OdaConfig(policy="local", window=4))
+    with pytest.raises(ValueError) as info:
+        call(model)
+    assert fragment in str(info.value) and "\n" not in str(info.value)

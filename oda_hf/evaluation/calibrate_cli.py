@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from ..cli_common import UsageError, dtype_name, load_tokenizer, require_model_source, require_paths, torch_dtype, user_input
+from ..cli_common import UsageError, dtype_name, load_tokenizer, thread_count, require_model_source, require_paths, torch_dtype, user_input
 from ..known_models import base_argument
 from ..validation import argument, integer, number, probability
 
@@ -44,7 +44,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
     parser.add_argument("--out", required=True, help="output folder (records, calibration.json)")
     parser.add_argument("--no-write", action="store_true", help="do not write the threshold into the head folder")
-    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--threads", type=thread_count, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_cli)
     return parser

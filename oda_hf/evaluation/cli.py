@@ -18,7 +18,7 @@ from ..cli_common import (UsageError, dtype_name, first_line, load_tokenizer, re
                           torch_dtype, user_input)
 from ..files import output_lock
 from ..known_models import base_argument, head_argument
-from ..validation import argument, integer, number, probability
+from ..validation import argument, integer, number, probability, seed
 
 RESULTS_FILE = "results.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -54,7 +54,7 @@ def add_cli(subparsers) -> None:
                           help="ODA thresholds (default: the head's configured threshold)")
     evaluate.add_argument("--paper-sweep", action="store_true",
                           help="ODA thresholds -0.01 -0.005 -0.001 0 0.001 0.005 0.01 0.05")
-    evaluate.add_argument("--seeds", nargs="+", type=argument(integer, "seeds", minimum=0), default=[42, 43, 44],
+    evaluate.add_argument("--seeds", nargs="+", type=argument(seed, "seeds"), default=None,
                           help="Random seeds (default 42 43 44)")
     evaluate.add_argument("--primary-threshold", type=argument(number, "primary-threshold"), default=None,
                           help="the ODA threshold of the main table (default: 0 if run, else the first)")
@@ -264,6 +264,16 @@ def _run_eval(args) -> int:
                          "drop it.")
     require_paths("--data", args.data)
     oda_words = any(word.partition(":")[0] in ("oda", "random") and ":" not in word for word in args.policies)
+    # Flags no policy of this run reads would be silently ignored: refuse them.
+    if (args.thresholds is not None or args.paper_sweep) and not oda_words:
+        raise UsageError(f"{'--thresholds' if args.thresholds is not None else '--paper-sweep'} sets the thresholds of "
+                         "oda (and of random matched to it), but --policies runs neither: add oda to --policies, or "
+                         "drop it.")
+    if args.seeds is not None and not any(word.partition(":")[0] == "random" for word in args.policies):
+        raise UsageError("--seeds seeds the random policies, but --policies runs none: add random or random:P to "
+                         "--policies, or drop --seeds.")
+    if args.seeds is None:
+        args.seeds = list(runner.PAPER_SEEDS)
     if args.paper_sweep or args.thresholds is not None or not oda_words:  # known before the model loads
         _primary_threshold(args, None if not oda_words else
                            list(runner.PAPER_THRESHOLDS) if args.paper_sweep else args.thresholds)
@@ -322,9 +332,16 @@ def run_diagnose(args) -> int:
         return _run_diagnose(args)
 
 
+# Each resample is kept (an array per measure): 10**12 resamples ran for hours, then ran out of memory.
+MAX_BOOTSTRAP = 100_000
+
+
 def _run_diagnose(args) -> int:
     from . import diagnostics
 
+    if args.bootstrap > MAX_BOOTSTRAP:
+        raise UsageError(f"--bootstrap {args.bootstrap} is more resamples than the intervals need (the paper uses 2000): "
+                         f"give at most {MAX_BOOTSTRAP:,}.")
     out = args.out
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:

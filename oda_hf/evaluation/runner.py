@@ -459,6 +459,9 @@ def _rescore(results: ResultsFile, record: dict, example: EvalExample) -> int:
 def check_prompt(model, example: EvalExample, input_ids: Sequence[int]) -> None:
     """Refuse a prompt the model cannot read: longer than its ``max_position_embeddings`` (transformers only warns,
     then the positions past it are garbage) or with token ids outside its vocabulary."""
+    if not input_ids:  # e.g. "" or whitespace with no answer prefix: generate() would fail deep in attention
+        raise ValueError(f"example {example.id!r} (task {example.task!r}): its prompt is empty (it tokenizes to no "
+                         "token); give it text or token ids, or leave it out.")
     config = model.config
     config = getattr(config, "get_text_config", lambda: config)()
     limit = getattr(config, "max_position_embeddings", None)

@@ -84,6 +84,9 @@ def string_list(field_name: str, value, where: str) -> list[str]:
                          f"a one-element list: [{json.dumps(value, ensure_ascii=False)}].")
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(a, str) for a in value):
         raise ValueError(f"{where}: {field_name!r} must be a non-empty list of strings; got {value!r}.")
+    if not all(a.strip() for a in value):  # "" is a substring of every output: string_match would score it 100
+        raise ValueError(f"{where}: {field_name!r} holds an empty answer, which every output would match; got "
+                         f"{value!r}. Remove it or write the answer text.")
     return list(value)
 
 

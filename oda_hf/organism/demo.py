@@ -8,14 +8,15 @@ ODA answer (tokens coloured Local / Full as in the paper's Figure 3) to HTML and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from importlib import resources
 
-from ..cli_common import UsageError, user_input
+from ..cli_common import UsageError, thread_count, user_input
 from ..files import write_text
-from ..validation import argument, integer, number
+from ..validation import argument, number
 from .corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB, OrganismCorpus
 from .metrics import example_score
 
@@ -150,7 +151,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--tasks", default=None,
                         help="comma-separated task families: for SmolLM2 any RULER task (default niah_single_2, "
                              "niah_multikey_1, vt), for the organism a subset of its six")
-    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=1,
+    parser.add_argument("--threads", type=thread_count, default=1,
                         help="torch threads (a tiny model gains nothing from more)")
     parser.set_defaults(func=_run_demo_command)
 
@@ -215,7 +216,11 @@ def _run_smollm2(args, tasks=None) -> bool:
 
     prompts = tuple((task, DEMO_LENGTH) for task in tasks) if tasks else SMOLLM2_PROMPTS
     try:
-        run_smollm2_demo(head, args.output, prompts=prompts, threshold=args.threshold)
+        # A --head for another base fails when the model loads (ValueError naming both shapes): one line, not a
+        # traceback. FetchError is a RuntimeError, so it still reaches the fallback below.
+        with user_input(f"--head {head}", "give a head trained for SmolLM2-135M-Instruct") if args.head else \
+                contextlib.nullcontext():
+            run_smollm2_demo(head, args.output, prompts=prompts, threshold=args.threshold)
     except FetchError as err:
         if args.model == "smollm2":
             raise UsageError(str(err)) from None

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
+from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, thread_count, require_paths, torch_dtype,
                           user_input)
 from ..known_models import base_argument
 from ..validation import MAX_SPAN, argument, integer, number
@@ -42,7 +42,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                              "differs from recomputation)")
     parser.add_argument("--dtype", type=dtype_name, default="auto",
                         help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
-    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="CPU threads for torch (default: torch's choice)")
     parser.set_defaults(func=run_cli)
     return parser

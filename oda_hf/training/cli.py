@@ -19,7 +19,7 @@ import argparse
 import contextlib
 import sys
 
-from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, require_paths, torch_dtype,
+from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, thread_count, require_paths, torch_dtype,
                           user_input)
 from ..known_models import base_argument
 from ..validation import MAX_SPAN, argument, integer, number
@@ -85,7 +85,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", type=dtype_name, default="auto",
                         help="backbone dtype: auto (checkpoint's), float32|fp32, bfloat16|bf16, float16|fp16")
     parser.add_argument("--seed", type=argument(integer, "seed", minimum=0, maximum=2**32 - 1), default=42)
-    parser.add_argument("--threads", type=argument(integer, "threads", minimum=1), default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 avoids oversubscription beside other jobs")
     parser.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --output")
     parser.add_argument("--allow-changed-settings", action="store_true",
@@ -197,6 +197,8 @@ def run_cli(args) -> int:
                 trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
                                      data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
                                      supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
+        if checkpoint is None:
+            check_fresh_output(args.output, trainer.supervision_settings)
         # The resume and supervision checks of train(), run first so that a mistake reads as one line.
         with user_input("--resume" if checkpoint is not None else data_flag):
             checkpoint = trainer.check_before_training(checkpoint)
@@ -222,6 +224,37 @@ def check_output_folder(flag: str, path: str) -> None:
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a file, not a folder: give a new or existing folder.")
+
+
+def check_fresh_output(output: str, settings: dict) -> None:
+    """A run without --resume writes checkpoint-N folders and the final head into `output`: refuse a folder holding
+    another run's (other supervision settings, or a head `oda train-head` did not write), which this run would
+    overwrite or leave mixed with its own. The same command again (after a kill) passes: its settings are equal."""
+    import json
+    import os
+
+    from .trainer import SETTINGS_NAME, _differences
+
+    fix = "give a new --output folder, resume that run with --resume, or delete it first"
+    folders = [output] + sorted(os.path.join(output, name) for name in os.listdir(output)
+                                if name.startswith("checkpoint-") and os.path.isdir(os.path.join(output, name)))
+    for folder in folders:
+        path = os.path.join(folder, SETTINGS_NAME)
+        if not os.path.isfile(path):
+            marker = os.path.join(folder, "config.json")
+            if os.path.isfile(marker) and os.path.getsize(marker) > 0:
+                raise UsageError(f"--output {folder} holds a recall head without {SETTINGS_NAME} (not written by this "
+                                 f"oda train-head), which this run would overwrite: {fix}.")
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)["settings"]
+            differences = _differences(saved, settings)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            differences = [f"{path} is unreadable"]
+        if differences:
+            raise UsageError(f"--output {folder} holds another training run ({'; '.join(differences)}); without "
+                             f"--resume this run would mix its checkpoints and head with that run's: {fix}.")
 
 
 def remove_interrupted_writes(output: str) -> None:
