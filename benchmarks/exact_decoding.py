@@ -157,7 +157,9 @@ def table(rows: list[dict], args) -> str:
     lines = [f"# Exact ODA vs stock static and fixed-length self-speculation (SmolLM2-135M-Instruct, fp32, "
              f"{args.threads} thread(s))", "",
              f"`python benchmarks/exact_decoding.py --lengths {','.join(map(str, args.lengths))} --prompts "
-             f"{args.prompts} --new-tokens {args.new_tokens} --threads {args.threads}`; held-out RULER test prompts "
+             f"{args.prompts} --new-tokens {args.new_tokens} --fixed {','.join(map(str, args.fixed))} --thresholds "
+             f"{','.join(f'{t:g}' for t in args.thresholds)} --max-draft {args.max_draft} --threads {args.threads}`; "
+             "`head@T`: verify when the head's score passes T or at --max-draft drafts; held-out RULER test prompts "
              "(chat template), greedy, EOS ignored, decode time only (one shared stock prefill per prompt); median "
              "over prompts. `differing`: output tokens unlike stock static's (near-ties: Full's top two within 1e-4).",
              "", "| length | arm | ms/token | vs stock static | accepted / Full pass | Full passes / token | "

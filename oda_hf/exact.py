@@ -196,7 +196,7 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
 
 
 @torch.no_grad()
-def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int = 8,
+def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int = 3,
                    verify_threshold: float | None = None, **kwargs):
     """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module)."""
     from .engine.generation import resolve_request

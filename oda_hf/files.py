@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 
-__all__ = ["atomic_path", "atomic_write", "write_json", "write_text", "publish_files", "output_lock",
+__all__ = ["read_jsonl_objects", "atomic_path", "atomic_write", "write_json", "write_text", "publish_files", "output_lock",
            "OutputLocked"]
 
 
@@ -125,6 +125,27 @@ def staging_folder(target: str | os.PathLike) -> str:
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=parent)
+
+
+def read_jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file. Invalid JSON, a line that is not a JSON
+    object and bytes that are not UTF-8 raise a one-line ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        number = 0
+        try:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({err}).") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number}: each line must be a JSON object; got "
+                                     f"{type(record).__name__}.")
+                yield number, record
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{number + 1}: not UTF-8 text ({err.reason}); give a JSONL file.") from None
 
 
 class OutputLocked(ValueError):

@@ -256,8 +256,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         it runs this HF path instead (logged; same results).
 
         ``oda_mode="exact"`` returns Full's output token for token (`oda_hf.exact`): Local drafts up to
-        `max_draft` tokens, and one Full pass verifies them when the head's score passes `verify_threshold`
-        (default: the routing threshold; ``math.inf`` verifies every `max_draft` tokens, head unused).
+        `max_draft` tokens (default 3), and one Full pass verifies them when the head's score passes
+        `verify_threshold` (default: the routing threshold; ``math.inf`` verifies every `max_draft` tokens, head
+        unused).
         ``model.routing`` is then an `ExactRecord` (drafted, accepted, corrected tokens, Full passes).
         """
         if oda_mode not in ("approximate", "exact"):
@@ -268,7 +269,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError("oda_mode='exact' runs on the Transformers path; drop oda_fast=True.")
             from .exact import generate_exact
 
-            return generate_exact(self, *args, max_draft=8 if max_draft is None else max_draft,
+            return generate_exact(self, *args, max_draft=3 if max_draft is None else max_draft,
                                   verify_threshold=verify_threshold, **kwargs)
         for name, value in (("max_draft", max_draft), ("verify_threshold", verify_threshold)):
             if value is not None:

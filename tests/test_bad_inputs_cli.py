@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from oda_hf import RecallHead, RecallHeadConfig
-from oda_hf.cli import main
 from tiny_models import save_with_word_tokenizer, tiny_model
+from cli_harness import run_oda as oda
 
 WORDS = " ".join(f"w{i}" for i in range(3, 40))  # 37 prompt tokens
 
@@ -28,13 +28,6 @@ def files(tmp_path_factory):
     return root
 
 
-def oda(argv, capsys):
-    """Run `oda argv` in-process: (exit status, stderr). argparse errors exit through SystemExit."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit:
-        code = exit.code
-    return code, capsys.readouterr().err
 
 
 # (id, argv with {root} placeholders, message fragment)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from oda_hf import RecallHead, RecallHeadConfig
-from oda_hf.cli import main
 from oda_hf.evaluation import report, ruler_synth, suites
 from oda_hf.files import output_lock
 from tiny_models import save_with_word_tokenizer, tiny_model
+from cli_harness import run_oda as oda
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,12 +111,6 @@ def root(tmp_path_factory):
     return root
 
 
-def oda(argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit:
-        code = exit.code
-    return code, capsys.readouterr().err
 
 
 EVAL = ["eval", "--base", "{root}/base", "--head", "{root}/head", "--window", "8", "--no-progress", "--no-plots",

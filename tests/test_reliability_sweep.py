@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from oda_hf import RandomPolicy, RecallHead, RecallHeadConfig
-from oda_hf.cli import main
 from oda_hf.evaluation.suites import EvalExample
 from oda_hf.validation import parse_policy_text, seed
 from tiny_models import save_with_word_tokenizer, tiny_model
+from cli_harness import run_oda as oda
 
 WORDS = " ".join(f"w{i}" for i in range(3, 40))  # 37 prompt tokens
 HUGE = str(2**70)
@@ -45,12 +45,6 @@ def root(tmp_path_factory):
     return root
 
 
-def oda(argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit:
-        code = exit.code
-    return code, capsys.readouterr().err
 
 
 def assert_one_line_error(code, err, command, fragment):
@@ -167,6 +161,10 @@ def test_a_fresh_train_head_refuses_an_output_of_another_run(root, capsys):
     window = argv.index("--window") + 1
     other = argv[:window] + ["4"] + argv[window + 1:]
     assert_one_line_error(*oda(other, capsys), "train-head", f"--output {out} holds another training run (window: 3")
+    steps = argv.index("--max-steps") + 1
+    other_steps = argv[:steps] + ["2"] + argv[steps + 1:]
+    assert_one_line_error(*oda(other_steps, capsys), "train-head",
+                          "holds another training run (max_steps: 1 there, 2 now")
     head_folder = [a.replace(str(out), str(root / "head")) for a in argv]
     before = (root / "head" / "model.safetensors").read_bytes()
     assert_one_line_error(*oda(head_folder, capsys), "train-head", "holds a recall head without oda_training.json")

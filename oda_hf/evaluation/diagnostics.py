@@ -24,7 +24,6 @@ position); oda_hf.training has the efficient paired computation for training.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import cache_kwargs
+from ..files import read_jsonl_objects
 from ..policies import RoutingPolicy
 from . import stats
 
@@ -227,36 +227,27 @@ def _optional_count(record: dict, key: str, minimum: int, where: str) -> int | N
 def load_reference_sequences(path: str | os.PathLike, tokenizer=None) -> list[dict]:
     """JSONL of reference sequences: ``{"id", "input_ids" | "text"[, "start", "count"]}``."""
     documents = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err}).") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object per line.")
-            if "input_ids" in record:
-                ids = record["input_ids"]
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                    raise ValueError(f"{where}: 'input_ids' must be a non-empty list of token ids (integers >= 0).")
-            elif "text" in record:
-                if not isinstance(record["text"], str):
-                    raise ValueError(f"{where}: 'text' must be a string; got {type(record['text']).__name__}.")
-                if tokenizer is None:
-                    raise ValueError(f"{where}: a 'text' reference needs a tokenizer.")
-                ids = tokenizer(record["text"])["input_ids"]
-            else:
-                raise ValueError(f"{where}: a reference needs 'input_ids' or 'text'.")
-            identifier = record.get("id", number)
-            if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
-                raise ValueError(f"{where}: 'id' must be a string or an integer; got {identifier!r}.")
-            documents.append({"id": str(identifier), "input_ids": ids,
-                              "start": _optional_count(record, "start", 1, where),
-                              "count": _optional_count(record, "count", 1, where)})
+    for number, record in read_jsonl_objects(path):
+        where = f"{path}:{number}"
+        if "input_ids" in record:
+            ids = record["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ValueError(f"{where}: 'input_ids' must be a non-empty list of token ids (integers >= 0).")
+        elif "text" in record:
+            if not isinstance(record["text"], str):
+                raise ValueError(f"{where}: 'text' must be a string; got {type(record['text']).__name__}.")
+            if tokenizer is None:
+                raise ValueError(f"{where}: a 'text' reference needs a tokenizer.")
+            ids = tokenizer(record["text"])["input_ids"]
+        else:
+            raise ValueError(f"{where}: a reference needs 'input_ids' or 'text'.")
+        identifier = record.get("id", number)
+        if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
+            raise ValueError(f"{where}: 'id' must be a string or an integer; got {identifier!r}.")
+        documents.append({"id": str(identifier), "input_ids": ids,
+                          "start": _optional_count(record, "start", 1, where),
+                          "count": _optional_count(record, "count", 1, where)})
     if not documents:
         raise ValueError(f"{path}: no reference sequence (the file is empty); give one JSON object per line.")
     ids = [d["id"] for d in documents]

@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from ..files import read_jsonl_objects
 from ..validation import integer
 from .metrics import LONGBENCH_METRICS, METRICS, RULER_TASKS, default_metric
 
@@ -406,21 +407,9 @@ def load_longbench(paths: str | os.PathLike | Sequence[str | os.PathLike], *, to
 
 def _read_jsonl(path) -> Iterable[tuple[int, dict]]:
     found = False
-    with open(path, encoding="utf-8") as f:
-        try:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({err}).") from err
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object per line.")
-                found = True
-                yield number, record
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text ({err}); give a JSONL file.") from None
+    for number, record in read_jsonl_objects(path):
+        found = True
+        yield number, record
     if not found:  # an empty file is a mistake (or a cut-short write), never an empty suite to skip
         raise ValueError(f"{path}: no records (the file is empty); give a JSONL file with one record per line.")
 

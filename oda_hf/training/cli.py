@@ -198,7 +198,7 @@ def run_cli(args) -> int:
                                      data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
                                      supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
         if checkpoint is None:
-            check_fresh_output(args.output, trainer.supervision_settings)
+            check_fresh_output(args.output, trainer.supervision_settings, trainer.args.to_dict())
         # The resume and supervision checks of train(), run first so that a mistake reads as one line.
         with user_input("--resume" if checkpoint is not None else data_flag):
             checkpoint = trainer.check_before_training(checkpoint)
@@ -226,14 +226,20 @@ def check_output_folder(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path} is a file, not a folder: give a new or existing folder.")
 
 
-def check_fresh_output(output: str, settings: dict) -> None:
+#: Training arguments that make two runs different runs (a checkpoint of one must not be mixed with the other's).
+RUN_ARGUMENTS = ("max_steps", "num_train_epochs", "learning_rate", "warmup_steps", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "seed", "lr_scheduler_type", "weight_decay", "save_steps")
+
+
+def check_fresh_output(output: str, settings: dict, training_args: dict | None = None) -> None:
     """A run without --resume writes checkpoint-N folders and the final head into `output`: refuse a folder holding
-    another run's (other supervision settings, or a head `oda train-head` did not write), which this run would
-    overwrite or leave mixed with its own. The same command again (after a kill) passes: its settings are equal."""
+    another run's (other supervision settings or training arguments, or a head `oda train-head` did not write),
+    which this run would overwrite or leave mixed with its own (e.g. a longer run's later checkpoint, which
+    --resume would then pick). The same command again (after a kill) passes: everything is equal."""
     import json
     import os
 
-    from .trainer import SETTINGS_NAME, _differences
+    from .trainer import SETTINGS_NAME, TRAINING_ARGS_NAME, _differences
 
     fix = "give a new --output folder, resume that run with --resume, or delete it first"
     folders = [output] + sorted(os.path.join(output, name) for name in os.listdir(output)
@@ -252,6 +258,15 @@ def check_fresh_output(output: str, settings: dict) -> None:
             differences = _differences(saved, settings)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             differences = [f"{path} is unreadable"]
+        arguments_path = os.path.join(folder, TRAINING_ARGS_NAME)
+        if not differences and training_args is not None and os.path.isfile(arguments_path):
+            try:
+                with open(arguments_path, encoding="utf-8") as f:
+                    saved_args = json.load(f)
+                differences = [f"{key}: {saved_args.get(key)!r} there, {training_args.get(key)!r} now"
+                               for key in RUN_ARGUMENTS if saved_args.get(key) != training_args.get(key)]
+            except (OSError, ValueError, AttributeError):
+                differences = [f"{arguments_path} is unreadable"]
         if differences:
             raise UsageError(f"--output {folder} holds another training run ({'; '.join(differences)}); without "
                              f"--resume this run would mix its checkpoints and head with that run's: {fix}.")

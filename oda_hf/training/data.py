@@ -8,7 +8,6 @@ one) is its own segment with ``position_ids`` restarting at 0, and segments neve
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from ..files import read_jsonl_objects
 from .layout import IGNORE_INDEX
 
 
@@ -77,17 +77,8 @@ def read_documents(path: str, tokenizer=None) -> Iterator[dict]:
         return
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Training data {path!r} not found (a .jsonl file or a datasets.save_to_disk folder).")
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg}).") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_number}: each line must be a JSON object.")
-            yield _document(record, tokenizer, f"{path}:{line_number}")
+    for line_number, record in read_jsonl_objects(path):
+        yield _document(record, tokenizer, f"{path}:{line_number}")
 
 
 def check_token_ids(rows: list[dict], vocab_size: int) -> None:
