@@ -98,8 +98,19 @@ def run_generate(args) -> int:
     # The last output comes from query position L + N - 1 (prefill's output is position L).
     window_source = "--window" if args.window is not None else "the head's window" if args.head else \
         "the default window"
-    check_local_matters(model, inputs["input_ids"].shape[1] + args.max_new_tokens - 1, window_source)
     generate_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if not args.exact:
+        for flag, value in (("--max-draft", args.max_draft), ("--verify-threshold", args.verify_threshold)):
+            if value is not None:
+                raise UsageError(f"{flag} only applies with --exact; add --exact or drop {flag}.")
+        check_local_matters(model, inputs["input_ids"].shape[1] + args.max_new_tokens - 1, window_source)
+    else:  # exact mode's output is Full's whatever the window: no baseline to protect from Local == Full
+        from .exact import check_exact_settings
+
+        max_draft = 3 if args.max_draft is None else args.max_draft
+        with user_input("--exact"):
+            check_exact_settings(model, max_draft, args.verify_threshold)
+        generate_kwargs.update(oda_mode="exact", max_draft=max_draft, verify_threshold=args.verify_threshold)
     if args.temperature > 0:
         generate_kwargs["temperature"] = args.temperature
         torch.manual_seed(args.seed)
@@ -110,8 +121,8 @@ def run_generate(args) -> int:
     text = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     print(text)
     config = model.oda_config
-    print(f"[oda] policy={model._policy!r} sinks={config.sinks} window={config.window} | {model.routing.summary()}",
-          file=sys.stderr)
+    mode = "exact" if args.exact else f"policy={model._policy!r}"
+    print(f"[oda] {mode} sinks={config.sinks} window={config.window} | {model.routing.summary()}", file=sys.stderr)
     return 0
 
 
@@ -126,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=argument(number, "temperature", minimum=0.0), default=0.0,
                           help="0 = greedy")
     generate.add_argument("--seed", type=argument(seed, "seed"), default=0)
+    generate.add_argument("--exact", action="store_true",
+                          help="exact mode: Local drafts, Full verifies when the head asks; the output is Full's")
+    generate.add_argument("--max-draft", type=argument(integer, "max-draft", minimum=1, maximum=1024), default=None,
+                          help="with --exact: drafted tokens per verification at most (default 3)")
+    generate.add_argument("--verify-threshold", type=argument(number, "verify-threshold", finite=False), default=None,
+                          help="with --exact: verify when the head's score passes this (default: the routing "
+                               "threshold; inf = fixed drafts of --max-draft, no head)")
     generate.set_defaults(func=run_generate)
 
     for add_cli in _subcommands():

@@ -180,6 +180,11 @@ GENERATE_MISTAKES = [  # (extra argv, message fragment)
     (["--policy", "random::0.5"], "argument --policy: bad policy 'random::0.5'"),
     (["--policy", "head:"], "argument --policy: unknown policy 'head:'"),
     (["--policy", "schedule:2.9:3"], "argument --policy: bad policy 'schedule:2.9:3'"),
+    (["--max-draft", "4"], "--max-draft only applies with --exact; add --exact or drop --max-draft."),
+    (["--exact", "--max-draft", "0"], "argument --max-draft: must be an integer >= 1 and <= 1024; got 0."),
+    (["--exact", "--verify-threshold", "nan"], "argument --verify-threshold: must be a number; got nan."),
+    (["--exact", "--policy", "local"], "--exact: oda_mode='exact' verifies when the recall head asks"),
+    (["--exact", "--policy", "local", "--verify-threshold=-inf"], "--exact: verify_threshold=-inf would verify every token"),
     (["--policy", "full", "--prompt", LONG_PROMPT, "--max-new-tokens", "20"],
      "the prompt has 500 tokens; with --max-new-tokens 20 that is 520 positions, past the model's "
      "max_position_embeddings=512. Shorten it to at most 492 tokens"),
@@ -304,3 +309,14 @@ def test_generate_and_loading_refuse_what_they_cannot_honour(call, fragment):
     with pytest.raises(ValueError) as info:
         call(model)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_generate_exact_prints_full_output(base_folder, capsys):
+    """`oda generate --exact` (fixed drafts, no head) prints what always-Full prints, with an exact summary."""
+    common = ["generate", "--base", str(base_folder), "--prompt", " ".join(f"w{3 + i}" for i in range(40)),
+              "--max-new-tokens", "12", "--window", "6", "--sinks", "2"]
+    assert main(common + ["--policy", "full"]) == 0
+    full = capsys.readouterr().out
+    assert main(common + ["--policy", "local", "--exact", "--verify-threshold", "inf", "--max-draft", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == full and "[oda] exact sinks=2 window=6 | exact: 12 tokens" in captured.err
