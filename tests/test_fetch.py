@@ -83,7 +83,7 @@ def tiny_wheel(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")
     gguf_path = root / "tiny.gguf"
     write_tiny_gguf(gguf_path)
-    spec = replace(km.SMOLLM2, name="tiny", requirement="tiny-gguf==1.0", member="tiny_gguf/tiny.gguf",
+    spec = replace(km.SMOLLM2, name="tiny", parts=(km.GgufPart("tiny-gguf==1.0", "tiny_gguf/tiny.gguf"),),
                    sha256=hashlib.sha256(gguf_path.read_bytes()).hexdigest(), folder="tiny-llama")
     wheel = root / "tiny_gguf-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
