@@ -26,16 +26,14 @@ the kept tokens through Full once more (counted in ``full_passes``).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 from transformers.generation import GenerateDecoderOnlyOutput
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import LOCAL, PREFILL, OdaCache, OdaGlobalLayer, OdaSlidingWindowLayer
+from .packed_attention import packed_attention
 from .compat import cache_kwargs
 from .validation import integer, number
 
@@ -222,47 +220,6 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     sequences = torch.cat([request.input_ids, new], dim=1)
     return GenerateDecoderOnlyOutput(sequences=sequences) if request.return_dict else sequences
-
-
-PACKED_SDPA = "oda_packed_sdpa"
-
-
-def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA for several query tokens with a mask and grouped KV heads, without copying K/V per query head.
-
-    transformers' SDPA path repeats K and V for every query head when a mask is given and more than one token
-    is queried (``repeat_kv``): for a verification pass over a 7K history that copy costs more than the
-    attention itself on CPU. Here the query heads that share a KV head are stacked along the query axis
-    (``pack_gqa`` of transformers, generalised from one token to several) and the mask is repeated per head
-    instead; each query row sees the same keys and mask, so the result is the same attention."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups == 1 or attention_mask is None or query.shape[2] == 1 or attention_mask.shape[1] != 1 \
-            or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    batch, heads, length, dim = query.shape
-    packed = query.reshape(batch, heads // groups, groups * length, dim)
-    mask = attention_mask.repeat(1, 1, groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
-
-
-@contextmanager
-def packed_attention(model):
-    """Use `packed_sdpa_forward` for the duration of a verification pass (models on SDPA only)."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous != "sdpa":
-        yield
-        return
-    if AttentionInterface._global_mapping.get(PACKED_SDPA) is not packed_sdpa_forward:
-        AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
-        AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    config._attn_implementation = PACKED_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
 
 
 def _full_pass(model, cache: OdaCache, tokens: list[int], start: int) -> torch.Tensor:

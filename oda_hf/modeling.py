@@ -28,6 +28,7 @@ from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
 from .head import RecallHead
 from .known_models import resolve_base, resolve_head
 from .loading import HEAD_MODEL_TYPE, read_model_type, resolve_local_folder
+from .packed_attention import packed_attention
 from .routing import RoutingRecord
 
 logger = logging.get_logger(__name__)
@@ -449,18 +450,20 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if rows is not None:
             # Only the rows that chose Full: gather their history, recompute, scatter hidden state and KV back.
             retry = cache.full_retry_rows(rows)
-            out = decoder(**{name: value.index_select(0, rows) for name, value in inputs.items()},
-                          attention_mask=None if attention_mask is None else attention_mask.index_select(0, rows),
-                          position_ids=None if position_ids is None else position_ids.index_select(0, rows),
-                          **cache_kwargs(retry), use_cache=True, **kwargs)
+            with packed_attention(self):
+                out = decoder(**{name: value.index_select(0, rows) for name, value in inputs.items()},
+                              attention_mask=None if attention_mask is None else attention_mask.index_select(0, rows),
+                              position_ids=None if position_ids is None else position_ids.index_select(0, rows),
+                              **cache_kwargs(retry), use_cache=True, **kwargs)
             cache.scatter_full_rows(retry, rows)
             hidden = local_hidden.index_copy(0, rows, out.last_hidden_state[:, -1])
         elif run_full:
             if local_hidden is not None:
                 cache.prepare_full_retry()
             cache.set_mode(FULL)
-            out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids,
-                          **cache_kwargs(cache), use_cache=True, **kwargs)
+            with packed_attention(self):  # stock static's kernel form, not enable_gqa's (packed_attention.py)
+                out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids,
+                              **cache_kwargs(cache), use_cache=True, **kwargs)
             full_hidden = out.last_hidden_state[:, -1]
             hidden = full_hidden if local_hidden is None else select_rows(select_full, full_hidden, local_hidden)
         cache.commit(select_full if run_full else None)

@@ -263,13 +263,14 @@ def test_exact_needs_the_head_unless_drafts_are_fixed():
                        stock(model, ids, max_new_tokens=6))
 
 
-@pytest.mark.parametrize("heads,kv_heads,length", [(6, 2, 5), (4, 1, 3), (8, 8, 4), (6, 3, 1)])
-def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, length):
+@pytest.mark.parametrize("heads,kv_heads,length,masked", [(6, 2, 5, True), (4, 1, 3, True), (8, 8, 4, True),
+                                                           (6, 3, 1, True), (6, 3, 1, False), (4, 1, 1, False)])
+def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, length, masked):
     """The verification pass's attention (query heads of a KV group stacked, mask repeated) against transformers'
     SDPA with repeated K/V, for a causal mask over a longer history."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from oda_hf.exact import packed_sdpa_forward
+    from oda_hf.packed_attention import packed_sdpa_forward
 
     generator = torch.Generator().manual_seed(heads * 10 + length)
     history = 23
@@ -278,6 +279,8 @@ def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, length):
     mask = torch.arange(history + length)[None, :] <= (history + torch.arange(length))[:, None]
     mask = mask[None, None]
     mask[..., 3] = False  # a padded column
+    if not masked:  # the single-token step without padding: transformers runs enable_gqa there
+        mask = None
 
     class Module:
         num_key_value_groups = heads // kv_heads
