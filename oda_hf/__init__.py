@@ -19,6 +19,7 @@ _EXPORTS = {
     "OdaForCausalLM": ".modeling",
     "AlwaysFullPolicy": ".policies",
     "AlwaysLocalPolicy": ".policies",
+    "BudgetPolicy": ".policies",
     "HeadPolicy": ".policies",
     "RandomPolicy": ".policies",
     "RoutingPolicy": ".policies",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from .policies import (
         AlwaysFullPolicy,
         AlwaysLocalPolicy,
+        BudgetPolicy,
         HeadPolicy,
         RandomPolicy,
         RoutingPolicy,
@@ -54,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AlwaysFullPolicy",
     "AlwaysLocalPolicy",
+    "BudgetPolicy",
     "HeadPolicy",
     "OdaCache",
     "OdaConfig",

@@ -29,6 +29,10 @@ def parse_policy(text: str):
         from .policies import SchedulePolicy
 
         return SchedulePolicy(spec.k, spec.period)
+    if spec.kind == "budget":
+        from .policies import BudgetPolicy
+
+        return BudgetPolicy(spec.p, spec.threshold)
     return spec.kind
 
 
@@ -43,7 +47,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=argument(number, "threshold"), default=None,
                         help="head threshold theta (default: the head's saved one, else 0)")
     parser.add_argument("--policy", type=parse_policy, default=None,
-                        help="head | full | local | random:P[:SEED] | schedule:K:PERIOD (default: head if --head)")
+                        help="head | full | local | random:P[:SEED] | schedule:K:PERIOD | budget:RATE[:THRESHOLD] "
+                             "(default: head if --head)")
     parser.add_argument("--dtype", type=dtype_name, default="float32",
                         help="base model dtype: float32|fp32, bfloat16|bf16, float16|fp16 or auto (default float32)")
 
@@ -77,7 +82,7 @@ def check_local_matters(model, positions: int, window_source: str) -> None:
         return
     reason = (f"this request never goes past position {positions}, within s + w = {config.sinks} + {config.window} "
               f"({window_source}), so Local reads the whole history and equals Full at every step")
-    if policy == "head":
+    if policy in ("head", "budget"):
         print(f"[oda] note: {reason}; the head's Full calls change nothing here.", file=sys.stderr)
         return
     smaller = positions - config.sinks

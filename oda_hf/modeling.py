@@ -442,6 +442,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             else:
                 if policy.uses_head or (policy.run_head and self.recall_head is not None):
                     scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
+                policy.observe_window(in_window)
                 select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())

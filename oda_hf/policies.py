@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .validation import integer, probability
+from .validation import integer, number, probability
 from .validation import seed as check_seed
 
 
@@ -39,6 +39,10 @@ class RoutingPolicy(ABC):
 
     def reset(self) -> None:
         """Called at the start of every request (prefill), so seeded policies are reproducible."""
+
+    def observe_window(self, in_window: torch.Tensor) -> None:
+        """Rows (bool ``[batch]``, CPU) whose step is within sinks + window, given before `decide` on the HF path
+        (their decision is ignored; policies that count decided steps need it)."""
 
     @abstractmethod
     def decide(self, scores: torch.Tensor | None, step, batch_size: int, device) -> torch.Tensor:
@@ -163,8 +167,57 @@ class SchedulePolicy(RoutingPolicy):
         return f"SchedulePolicy(k={self.k}, period={self.period})"
 
 
+class BudgetPolicy(RoutingPolicy):
+    """The head under a Full-call budget that holds for every request and row: Full when the head asks (``q >
+    threshold``, or ``q`` not finite) *and* the row's Full calls stay within ``rate`` of its decided steps so far.
+
+    A row may call Full at its ``n``-th decided step (steps past sinks + window, this one counted) only while
+    ``calls + 1 <= rate * n``, so its Full-call rate never exceeds ``rate`` at any point of the request, whatever
+    its length or where it stops. The cost of the guarantee: early steps cannot spend budget not yet earned, and
+    a non-finite score is Local when the budget is spent. ``threshold=None`` takes the routing threshold
+    (`OdaConfig.threshold`). HF path only (the static engine's captured step has no per-row counters).
+    """
+
+    name = "budget"
+    uses_head = True
+
+    def __init__(self, rate: float, threshold: float | None = None):
+        self.rate = probability("BudgetPolicy rate", rate)
+        self.threshold = None if threshold is None else number("BudgetPolicy threshold", threshold)
+        self.reset()
+
+    def with_threshold(self, threshold: float) -> "BudgetPolicy":
+        """This policy with `threshold` where it has none (the routing threshold)."""
+        return self if self.threshold is not None else BudgetPolicy(self.rate, threshold)
+
+    def reset(self) -> None:
+        self._calls = self._decided = None
+        self._in_window = None
+
+    def observe_window(self, in_window: torch.Tensor) -> None:
+        self._in_window = in_window
+
+    def decide(self, scores, step, batch_size, device):
+        if self._calls is None or self._calls.shape[0] != batch_size:
+            self._calls = torch.zeros(batch_size, dtype=torch.long)
+            self._decided = torch.zeros(batch_size, dtype=torch.long)
+        decided = torch.ones(batch_size, dtype=torch.bool) if self._in_window is None else ~self._in_window.cpu()
+        self._decided += decided.long()
+        asks = HeadPolicy._rule(scores.detach().float().cpu(), self.threshold)
+        # calls + 1 <= rate * n, in integers where possible (rate * n in float64 is exact enough for any n here)
+        allowed = (self._calls + 1).double() <= self.rate * self._decided.double() + 1e-9
+        full = asks & allowed & decided
+        self._calls += full.long()
+        return full.to(device)
+
+    def __repr__(self) -> str:
+        return f"BudgetPolicy(rate={self.rate}, threshold={self.threshold})"
+
+
 def resolve_policy(policy, threshold: float) -> RoutingPolicy:
     """Turn the `OdaConfig.policy` value into a policy object."""
+    if isinstance(policy, BudgetPolicy):
+        return policy.with_threshold(threshold)
     if isinstance(policy, RoutingPolicy):
         return policy
     named = {"head": lambda: HeadPolicy(threshold), "full": AlwaysFullPolicy, "local": AlwaysLocalPolicy}

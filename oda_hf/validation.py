@@ -112,7 +112,7 @@ def argument(check: Callable, name: str = "value", **bounds) -> Callable[[str], 
 
 # -- routing policies as text: the CLI's --policy and vLLM's per-request `oda_policy` --------------------
 
-POLICY_HELP = "head, full, local, random:P[:SEED] or schedule:K:PERIOD"
+POLICY_HELP = "head, full, local, random:P[:SEED], schedule:K:PERIOD or budget:RATE[:THRESHOLD]"
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ class PolicySpecText:
     seed: int | None = None
     k: int | None = None
     period: int | None = None
+    threshold: float | None = None
 
 
 def parse_policy_text(text) -> PolicySpecText:
@@ -144,6 +145,13 @@ def parse_policy_text(text) -> PolicySpecText:
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad policy {text!r}: {err}") from None
         return PolicySpecText("random", p=p, seed=seed_value)
+    if kind == "budget" and 1 <= len(fields) <= 2:
+        try:
+            rate = probability("budget:RATE", _parse_float(fields[0]))
+            threshold = number("budget:RATE:THRESHOLD", _parse_float(fields[1])) if len(fields) == 2 else None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bad policy {text!r}: {err}") from None
+        return PolicySpecText("budget", p=rate, threshold=threshold)
     if kind == "schedule" and len(fields) == 2:
         try:
             period = integer("schedule:K:PERIOD", _parse_int(fields[1]), minimum=1)

@@ -36,6 +36,7 @@ def test_request_knobs(extra, expected):
     ({"oda_policy": "schedule:3:2"}, "schedule:K` must be an integer >= 0 and <= 2"),
     ({"oda_policy": "schedule:2.9:4"}, "integer"),
     ({"oda_policy": 5}, "must be a string"),
+    ({"oda_policy": "budget:0.25"}, "budget policies are not served by the vLLM plugin yet"),
     ({"oda_threshold": "nan"}, "finite"),
     ({"oda_threshold": "high"}, "must be a number"),
     ({"oda_threshold": True}, "must be a finite number"),

@@ -63,6 +63,9 @@ def parse_policy(text, threshold: float) -> RequestRouting:
         spec = parse_policy_text(text)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{POLICY_KEY}: {err}") from None
+    if spec.kind == "budget":  # its per-row counters live in the Transformers path's policy object
+        raise ValueError(f"{POLICY_KEY} {text!r}: budget policies are not served by the vLLM plugin yet; use head, "
+                         "full, local, random:P[:SEED] or schedule:K:PERIOD.")
     params = {key: getattr(spec, key) for key in ("p", "seed", "k", "period") if getattr(spec, key) is not None}
     return RequestRouting(policy=spec.kind, threshold=threshold, **params)
 

@@ -1,0 +1,87 @@
+"""`BudgetPolicy`: the head under a Full-call budget that no request and no row ever exceeds."""
+
+import math
+
+import pytest
+import torch
+
+from oda_hf import BudgetPolicy, OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf.cli import parse_policy
+from tiny_models import tiny_model
+
+
+def model_with_head(threshold=-10.0):
+    base = tiny_model("qwen3")
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4, threshold=threshold))
+
+
+def replay(rate, asks, in_window=None):
+    """Decisions of a BudgetPolicy over a sequence of head scores (one row), with optional in-window steps."""
+    policy = BudgetPolicy(rate, threshold=0.0)
+    policy.reset()
+    out = []
+    for t, ask in enumerate(asks):
+        if in_window is not None:
+            policy.observe_window(torch.tensor([in_window[t]]))
+        out.append(bool(policy.decide(torch.tensor([1.0 if ask else -1.0]), t + 1, 1, "cpu")[0]))
+    return out
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.25, 0.4, 0.5, 1.0])
+def test_rate_never_exceeded_at_any_prefix_and_budget_is_spent_when_asked(rate):
+    decisions = replay(rate, [True] * 40)
+    for n in range(1, 41):
+        assert sum(decisions[:n]) <= rate * n + 1e-9
+    assert sum(decisions) == math.floor(rate * 40 + 1e-9)  # the head always asks: all earned budget is spent
+
+
+def test_head_decides_within_the_budget_and_in_window_steps_do_not_count():
+    asks = [True, True, False, True, True, True, True, False]
+    # step n may call Full while calls + 1 <= n / 2: not at step 1 (0.5 earned), yes at 2, 4 and 6, not at 5 or 7
+    assert replay(0.5, asks) == [False, True, False, True, False, True, False, False]
+    # Two in-window steps first: they neither count as decided steps nor call Full.
+    assert replay(0.5, [True, True] + asks, in_window=[True, True] + [False] * 8)[:2] == [False, False]
+
+
+def test_nan_scores_are_full_only_within_budget():
+    policy = BudgetPolicy(0.5, threshold=0.0)
+    got = [bool(policy.decide(torch.tensor([math.nan]), t, 1, "cpu")[0]) for t in range(1, 7)]
+    assert got == [False, True, False, True, False, True]
+
+
+def test_generate_realised_rate_holds_per_row_where_the_plain_head_exceeds_it():
+    model = model_with_head(threshold=-10.0)  # the head asks at every step
+    ids = torch.randint(3, 90, (3, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert model.routing.full_call_rate > 0.9  # the plain head: Full almost everywhere
+    model.set_routing(policy=BudgetPolicy(0.25))  # threshold from the routing config (-10)
+    model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    record = model.routing
+    decided = record.decided_steps_per_row
+    calls = (record.decisions & record.valid & ~record.in_window).sum(dim=1)
+    assert (calls.double() <= 0.25 * decided.double() + 1e-9).all() and calls.sum() > 0
+    assert record.full_call_rate <= 0.25
+
+
+@pytest.mark.parametrize("text,expected", [("budget:0.25", (0.25, None)), ("budget:0.4:0.1", (0.4, 0.1))])
+def test_policy_text(text, expected):
+    policy = parse_policy(text)
+    assert isinstance(policy, BudgetPolicy) and (policy.rate, policy.threshold) == expected
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda: BudgetPolicy(1.5), "`BudgetPolicy rate` must be a finite number >= 0 and <= 1"),
+    (lambda: BudgetPolicy(math.nan), "finite"),
+    (lambda: BudgetPolicy(0.2, threshold=math.inf), "`BudgetPolicy threshold` must be a finite number"),
+])
+def test_bad_budget_values(make, fragment):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert fragment in str(info.value)
