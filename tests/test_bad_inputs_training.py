@@ -19,12 +19,7 @@ from tiny_models import VOCAB, tiny_model
 S, W = 2, 3  # s + w + 2 = 7 tokens: the shortest segment with an eligible position
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _documents(path, lengths, seed=0):

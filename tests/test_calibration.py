@@ -18,12 +18,7 @@ from tiny_models import VOCAB, tiny_model
 GRID = [-0.05, 0.0, 0.05, 0.1]  # the tiny random head scores about -0.03 .. 0.08
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def oda_model() -> OdaForCausalLM:

@@ -24,13 +24,7 @@ from tiny_models import VOCAB, tiny_model
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronization (10x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def word_tokenizer(words=None):
