@@ -93,7 +93,7 @@ def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker:
     `marker` (e.g. ``config.json``): the file a reader requires. It is removed from `target` before the
     other files move and moved in last, so `target` holds either the complete old set, no marker (a reader
     refuses it), or the complete new set. Returns the names moved."""
-    staging, target = os.fspath(staging), os.fspath(target)
+    staging, target = os.fspath(staging), os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     names = sorted(os.listdir(staging))
     if marker is not None:
@@ -106,8 +106,17 @@ def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker:
         if os.path.isdir(source):
             destination = os.path.join(target, name)
             if os.path.isdir(destination):
-                shutil.rmtree(destination)
-            os.replace(source, destination)
+                # Swap, never delete in place: a kill inside rmtree leaves a half-deleted folder whose own manifest
+                # may survive and vouch for files that are gone. The old folder goes aside (beside `target`, under a
+                # `.<target>.partial-` name that `remove_stale_partials` clears) and is deleted after the swap.
+                aside = os.path.join(os.path.dirname(target),
+                                     f".{os.path.basename(target)}.partial-old-{name}-{os.getpid()}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(destination, aside)
+                os.replace(source, destination)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(source, destination)
             continue
         with open(source, "rb+") as f:
             os.fsync(f.fileno())

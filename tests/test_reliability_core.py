@@ -320,3 +320,21 @@ def test_generate_exact_prints_full_output(base_folder, capsys):
     assert main(common + ["--policy", "local", "--exact", "--verify-threshold", "inf", "--max-draft", "4"]) == 0
     captured = capsys.readouterr()
     assert captured.out == full and "[oda] exact sinks=2 window=6 | exact: 12 tokens" in captured.err
+
+
+def test_publish_files_swaps_a_folder_whole(tmp_path):
+    """A folder published over an existing one is renamed aside and replaced, never deleted in place (a kill
+    inside a recursive delete would leave a half-deleted folder whose manifest still vouches for its files)."""
+    target = tmp_path / "out"
+    (target / "1024").mkdir(parents=True)
+    for name in ("a.jsonl", "b.jsonl", "manifest.json"):
+        (target / "1024" / name).write_text("old")
+    staging = staging_folder(target)
+    os.makedirs(os.path.join(staging, "1024"))
+    for name in ("a.jsonl", "manifest.json"):
+        with open(os.path.join(staging, "1024", name), "w") as f:
+            f.write("new")
+    publish_files(staging, target)
+    assert sorted(os.listdir(target / "1024")) == ["a.jsonl", "manifest.json"]
+    assert (target / "1024" / "manifest.json").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # neither the staging folder nor the old one is left
