@@ -112,10 +112,9 @@ def run_generate(args) -> int:
     else:  # exact mode's output is Full's whatever the window: no baseline to protect from Local == Full
         from .exact import check_exact_settings
 
-        max_draft = 3 if args.max_draft is None else args.max_draft
-        with user_input("--exact"):
-            check_exact_settings(model, max_draft, args.verify_threshold)
-        generate_kwargs.update(oda_mode="exact", max_draft=max_draft, verify_threshold=args.verify_threshold)
+        with user_input("--exact"):  # before the prefill, as a one-line error
+            check_exact_settings(model, args.max_draft, args.verify_threshold)
+        generate_kwargs.update(oda_mode="exact", max_draft=args.max_draft, verify_threshold=args.verify_threshold)
     if args.temperature > 0:
         generate_kwargs["temperature"] = args.temperature
         torch.manual_seed(args.seed)

@@ -41,6 +41,8 @@ from .validation import integer, number
 #: different tokens there. Such verified positions are counted (`ExactRecord.near_ties`), never hidden.
 NEAR_TIE = 1e-4
 MAX_DRAFT_LIMIT = 1024
+#: Drafts per verification at most when the caller gives none (best on SmolLM2 at 2K-7K, benchmarks/exact_decoding.py).
+DEFAULT_MAX_DRAFT = 3
 
 
 class ExactDecodingUnsupported(ValueError):
@@ -175,7 +177,7 @@ class _Settings:
 
 def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
     """Validate the exact-mode knobs against the model's routing (errors name what is supported)."""
-    max_draft = integer("max_draft", max_draft, minimum=1, maximum=MAX_DRAFT_LIMIT,
+    max_draft = integer("max_draft", DEFAULT_MAX_DRAFT if max_draft is None else max_draft, minimum=1, maximum=MAX_DRAFT_LIMIT,
                         meaning="drafted tokens per verification at most")
     if verify_threshold is None:
         verify_threshold = model.oda_config.threshold
@@ -194,7 +196,7 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
 
 
 @torch.no_grad()
-def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int = 3,
+def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int | None = None,
                    verify_threshold: float | None = None, **kwargs):
     """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module)."""
     from .engine.generation import resolve_request

@@ -27,9 +27,8 @@ def _fsync_folder(folder: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on folders; the rename itself is still atomic
+        with contextlib.suppress(OSError):  # some file systems refuse fsync on folders; the rename is still atomic
+            os.fsync(fd)
     finally:
         os.close(fd)
 

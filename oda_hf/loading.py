@@ -7,6 +7,7 @@ and a recall-head folder must hold a recall head's config and weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -53,11 +54,9 @@ def resolve_local_folder(name: str | os.PathLike, what: str, revision: str | Non
 def _check_hub_reachable(repo_id: str, what: str, revision: str | None) -> None:
     if constants.is_offline_mode():
         return  # transformers answers from the cache at once
-    try:
+    with contextlib.suppress(ValueError):  # not a valid repo id: the hub client gives its own error
         if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
             return
-    except ValueError:
-        pass  # not a valid repo id: the hub client gives its own error
     if any(os.environ.get(variable) for variable in _PROXY_VARIABLES):
         return  # the proxy resolves the host, not us
     host = urlparse(constants.ENDPOINT).hostname
@@ -153,8 +152,8 @@ def check_safetensors_file(path: str) -> None:
     from safetensors import safe_open
 
     try:
-        with safe_open(path, framework="pt"):
-            pass  # opening validates the header and that the data covers the whole file
+        with safe_open(path, framework="pt") as weights:  # opening validates the header and the data size
+            weights.keys()
     except (SafetensorError, OSError, ValueError) as err:
         size = os.path.getsize(path)
         raise OSError(

@@ -270,8 +270,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError("oda_mode='exact' runs on the Transformers path; drop oda_fast=True.")
             from .exact import generate_exact
 
-            return generate_exact(self, *args, max_draft=3 if max_draft is None else max_draft,
-                                  verify_threshold=verify_threshold, **kwargs)
+            return generate_exact(self, *args, max_draft=max_draft, verify_threshold=verify_threshold, **kwargs)
         for name, value in (("max_draft", max_draft), ("verify_threshold", verify_threshold)):
             if value is not None:
                 raise ValueError(f"{name} only applies with oda_mode='exact'; drop it or pass oda_mode='exact'.")
