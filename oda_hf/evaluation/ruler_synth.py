@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
 import os

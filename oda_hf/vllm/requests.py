@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..validation import POLICY_HELP, number, parse_policy_text
+from ..validation import number, parse_policy_text
 
 POLICY_KEY = "oda_policy"
 THRESHOLD_KEY = "oda_threshold"
