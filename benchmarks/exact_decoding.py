@@ -7,6 +7,7 @@ length. Per prompt the stock model prefills once; every arm decodes from a copy 
   fixed-k        exact mode with fixed drafts: Local drafts k tokens, one Full pass verifies (the MagicDec-style
                  anchor: same code path, head ignored; `verify_threshold=inf`, `max_draft=k`)
   head@T         exact mode gated by the head: verify when its score passes T (or at `--max-draft` drafts)
+  engine ...     the same arms on the static engine (`--backends hf,engine`; `generate(oda_fast=True)`)
 
 Every arm decodes `--new-tokens` greedy tokens with EOS ignored (equal work per arm; a RULER answer is shorter).
 Columns: ms per token (decode only, median over prompts), speed against stock static, accepted drafts per Full
@@ -88,18 +89,31 @@ def stock_static(base, history, length: int, first: int, new_tokens: int) -> tup
 
 
 @torch.no_grad()
-def exact(model, history, hidden, ids: list[int], new_tokens: int, max_draft: int, threshold: float):
+def exact(model, history, hidden, ids: list[int], new_tokens: int, max_draft: int, threshold: float, engine=None):
+    """Exact decoding from a loaded history: on the Transformers path (an OdaCache), or on `engine`."""
     from oda_hf.engine.generation import resolve_request
-    from oda_hf.exact import ExactRecord, check_exact_settings, decode_after_prefill, new_exact_cache
+    from oda_hf.exact import (
+        CacheDrafts,
+        EngineDrafts,
+        ExactRecord,
+        check_exact_settings,
+        decode_after_prefill,
+        new_exact_cache,
+    )
 
     settings = check_exact_settings(model, max_draft, threshold)
     request = resolve_request(model, torch.tensor([ids]), None, dict(max_new_tokens=new_tokens, do_sample=False,
                                                                    eos_token_id=None, pad_token_id=0))
-    cache = new_exact_cache(model, len(ids) + new_tokens + max_draft + 1)
-    cache.load_history(iter(history))
+    if engine is None:
+        cache = new_exact_cache(model, len(ids) + new_tokens + max_draft + 1)
+        cache.load_history(iter(history))
+        drafts = CacheDrafts(model, cache, hidden)
+    else:
+        engine.load_history(iter(history), hidden)
+        drafts = EngineDrafts(engine)
     record = ExactRecord(1, settings.max_draft, settings.verify_threshold)
     start = time.perf_counter()
-    tokens = decode_after_prefill(model, cache, ids, hidden, request, settings, set(), record)
+    tokens = decode_after_prefill(model, drafts, ids, hidden, request, settings, set(), record)
     return tokens, time.perf_counter() - start, record
 
 
@@ -122,21 +136,33 @@ def bytes_ratio(model, length: int, new_tokens: int, record=None) -> float:
 
 def run(args) -> list[dict]:
     model, tokenizer = load(args.threads)
-    arms = [("stock-static", None, None)] + [(f"fixed-{k}", k, math.inf) for k in args.fixed] + \
-           [(f"head@{t:g}", args.max_draft, t) for t in args.thresholds]
+    from oda_hf.engine import OdaStaticEngine
+
+    arms = [("stock-static", None, None, None)]
+    for backend in args.backends:  # the Transformers path's arms keep their names; the engine's are prefixed
+        prefix = "" if backend == "hf" else "engine "
+        arms += [(f"{prefix}fixed-{k}", k, math.inf, backend) for k in args.fixed]
+        arms += [(f"{prefix}head@{t:g}", args.max_draft, t, backend) for t in args.thresholds]
     rows = []
     for length in args.lengths:
-        measured: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
+        measured: dict[str, list[dict]] = {arm[0]: [] for arm in arms}
+        engine = None
+        if "engine" in args.backends:
+            longest = max(args.fixed + [args.max_draft])
+            engine = OdaStaticEngine(model, max_length=int(length * 1.03) + args.new_tokens + longest + 2)
         for ids in tqdm(prompts(tokenizer, model, length, args.prompts), desc=f"{length} tokens", unit="prompt"):
             history, hidden, first = stock_prefill(model.base_model, ids)
             reference, seconds = stock_static(model.base_model, history, len(ids), first, args.new_tokens)
             measured["stock-static"].append({"seconds": seconds, "tokens": reference, "record": None})
-            for name, max_draft, threshold in arms[1:]:
-                tokens, seconds, record = exact(model, history, hidden, ids, args.new_tokens, max_draft, threshold)
+            for name, max_draft, threshold, backend in arms[1:]:
+                tokens, seconds, record = exact(model, history, hidden, ids, args.new_tokens, max_draft, threshold,
+                                                engine if backend == "engine" else None)
                 measured[name].append({"seconds": seconds, "tokens": tokens, "record": record,
                                        "reference": reference})
         base_ms = statistics.median(m["seconds"] * 1000 / (args.new_tokens - 1) for m in measured["stock-static"])
-        for name, _, _ in arms:
+        if engine is not None:
+            engine.release()
+        for name, *_ in arms:
             runs = measured[name]
             ms = statistics.median(m["seconds"] * 1000 / (args.new_tokens - 1) for m in runs)
             row = {"length": length, "arm": name, "ms_per_token": ms, "speed": base_ms / ms, "prompts": len(runs)}
@@ -158,7 +184,8 @@ def table(rows: list[dict], args) -> str:
              f"{args.threads} thread(s))", "",
              f"`python benchmarks/exact_decoding.py --lengths {','.join(map(str, args.lengths))} --prompts "
              f"{args.prompts} --new-tokens {args.new_tokens} --fixed {','.join(map(str, args.fixed))} --thresholds "
-             f"{','.join(f'{t:g}' for t in args.thresholds)} --max-draft {args.max_draft} --threads {args.threads}`; "
+             f"{','.join(f'{t:g}' for t in args.thresholds)} --max-draft {args.max_draft} --backends "
+             f"{','.join(args.backends)} --threads {args.threads}`; `engine ...`: the same arm on the static engine; "
              "`head@T`: verify when the head's score passes T or at --max-draft drafts; held-out RULER test prompts "
              "(chat template), greedy, EOS ignored, decode time only (one shared stock prefill per prompt); median "
              "over prompts. `differing`: output tokens unlike stock static's (near-ties: Full's top two within 1e-4).",
@@ -180,6 +207,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fixed", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16])
     parser.add_argument("--thresholds", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.5, 1.0])
     parser.add_argument("--max-draft", type=int, default=16)
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["hf"],
+                        help="hf (Transformers path, OdaCache) and/or engine (the static engine), comma-separated")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/exact_smollm2")
     args = parser.parse_args(argv)

@@ -115,6 +115,15 @@ def run_generate(args) -> int:
         with user_input("--exact"):  # before the prefill, as a one-line error
             check_exact_settings(model, args.max_draft, args.verify_threshold)
         generate_kwargs.update(oda_mode="exact", max_draft=args.max_draft, verify_threshold=args.verify_threshold)
+    if args.fast:
+        from .engine.routing import plan_for
+        from .engine.support import check_model_supported
+
+        with user_input("--fast"):  # before the prefill, as a one-line error
+            check_model_supported(model)
+            if not args.exact:
+                plan_for(model.oda_config.routing_policy(), model.recall_head is not None)
+        generate_kwargs["oda_fast"] = True
     if args.temperature > 0:
         generate_kwargs["temperature"] = args.temperature
         torch.manual_seed(args.seed)
@@ -148,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--verify-threshold", type=argument(number, "verify-threshold", finite=False), default=None,
                           help="with --exact: verify when the head's score passes this (default: the routing "
                                "threshold; inf = fixed drafts of --max-draft, no head)")
+    generate.add_argument("--fast", action="store_true",
+                          help="run on the static decode engine (full-attention families: Llama, Mistral, Qwen2, Qwen3)")
     generate.set_defaults(func=run_generate)
 
     for add_cli in _subcommands():

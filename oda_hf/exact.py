@@ -197,14 +197,24 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
 
 @torch.no_grad()
 def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int | None = None,
-                   verify_threshold: float | None = None, **kwargs):
-    """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module)."""
-    from .engine.generation import resolve_request
+                   verify_threshold: float | None = None, oda_fast: bool = False, **kwargs):
+    """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module).
+
+    ``oda_fast=True`` runs the drafts and passes on the static engine (full-attention families; a batch-1
+    engine kept on the model, rows one after another as here)."""
+    from .engine.generation import engine_for, fast_path_enabled, resolve_request
+    from .engine.support import check_model_supported
 
     settings = check_exact_settings(model, max_draft, verify_threshold)
+    if oda_fast:
+        check_model_supported(model)
     request = resolve_request(model, inputs, generation_config, kwargs, refuse=_refuse)
     if request.output_scores or request.output_logits:
         raise _refuse("output_scores / output_logits")
+    engine = None
+    if oda_fast and fast_path_enabled():
+        longest = int(request.attention_mask.sum(dim=1).max())
+        engine = engine_for(model, 1, longest + request.max_new_tokens + settings.max_draft + 1)
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
     batch = request.input_ids.shape[0]
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
@@ -213,7 +223,7 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         prompt = request.input_ids[row][request.attention_mask[row].bool()]
         if prompt.numel() == 0:
             raise ValueError(f"Row {row} of the batch has no prompt token (its attention_mask is all zeros).")
-        outputs.append(_decode_row(model, prompt, request, settings, eos, record, row))
+        outputs.append(_decode_row(model, prompt, request, settings, eos, record, row, engine))
     model.routing = record
     length = max(len(tokens) for tokens in outputs)
     pad = int(request.pad.flatten()[0]) if request.pad is not None else 0
@@ -276,22 +286,97 @@ def new_exact_cache(model, max_cache_len: int) -> OdaCache:
     return cache
 
 
+class CacheDrafts:
+    """Drafts and verification passes on the Transformers path: an `OdaCache` (every supported family).
+
+    The interface `decode_after_prefill` drives (`EngineDrafts` is the static engine's): `draft` runs a
+    Local step whose KV stays pending, `accept` commits it, `reject` drops it; `verify` runs one Full pass
+    over the tokens from the last verified position; `keep` keeps the verified prefix (its Full KV) and
+    returns the Full passes it had to add (recurrent layers cannot crop: they recompute the kept tokens).
+    """
+
+    def __init__(self, model, cache: OdaCache, last_hidden: torch.Tensor):
+        self.model, self.cache = model, cache
+        cache.selected_hidden = last_hidden
+        self.checkpoint = cache.checkpoint()
+
+    def draft(self, token: int, position: int, use_head: bool):
+        return _local_step(self.model, self.cache, token, position, use_head)
+
+    def accept(self, hidden: torch.Tensor) -> None:
+        self.cache.commit(None)
+        self.cache.selected_hidden = hidden
+
+    def reject(self) -> None:
+        self.cache.discard_pending()
+
+    def verify(self, tokens: list[int], start: int) -> torch.Tensor:
+        self.cache.rollback(self.checkpoint)
+        return _full_pass(self.model, self.cache, tokens, start)
+
+    def keep(self, tokens: list[int], start: int, keep: int, hidden: torch.Tensor) -> int:
+        extra_passes = 0
+        if keep < len(tokens) and self.cache.linear_layers:  # recurrent state cannot crop: recompute the kept tokens
+            self.cache.rollback(self.checkpoint)
+            hidden = _full_pass(self.model, self.cache, tokens[:keep], start)
+            extra_passes = 1
+        for layer in self.cache.layers:  # drop the rejected positions; window layers go back to their window
+            if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
+                layer.crop(start + keep)
+        self.cache.selected_hidden = hidden[keep - 1: keep]
+        self.checkpoint = self.cache.checkpoint()
+        return extra_passes
+
+
+class EngineDrafts:
+    """Drafts and verification passes on the static engine (`OdaStaticEngine`, batch 1, full-attention
+    families): Local steps over its workspace (captured graphs on CUDA), Full passes over its cache."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def draft(self, token: int, position: int, use_head: bool):
+        if position != self.engine.length:
+            raise RuntimeError(f"Draft at position {position}, but the engine holds {self.engine.length} positions.")
+        hidden, score = self.engine.draft_step(token, use_head)
+        return hidden, score
+
+    def accept(self, hidden: torch.Tensor) -> None:
+        self.engine.accept_draft()
+
+    def reject(self) -> None:
+        pass  # the draft wrote only the workspace's current slot, which the next step overwrites
+
+    def verify(self, tokens: list[int], start: int) -> torch.Tensor:
+        return self.engine.verify(torch.tensor(tokens, dtype=torch.long), start)
+
+    def keep(self, tokens: list[int], start: int, keep: int, hidden: torch.Tensor) -> int:
+        self.engine.keep_verified(start + keep, hidden[keep - 1])
+        return 0
+
+
 def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
-                row: int) -> list[int]:
-    cache = new_exact_cache(model, prompt.numel() + request.max_new_tokens + settings.max_draft + 1)
-    hidden = _full_pass(model, cache, prompt.tolist(), start=0)
-    return decode_after_prefill(model, cache, prompt.tolist(), hidden[-1:], request, settings, eos, record, row)
+                row: int, engine=None) -> list[int]:
+    if engine is not None:
+        logits = engine.prefill(prompt[None])
+        del logits  # the first token comes from the selected hidden state, as on the Transformers path
+        drafts = EngineDrafts(engine)
+        last_hidden = engine.state.selected_hidden.clone()
+    else:
+        cache = new_exact_cache(model, prompt.numel() + request.max_new_tokens + settings.max_draft + 1)
+        last_hidden = _full_pass(model, cache, prompt.tolist(), start=0)[-1:]
+        drafts = CacheDrafts(model, cache, last_hidden)
+    return decode_after_prefill(model, drafts, prompt.tolist(), last_hidden, request, settings, eos, record, row)
 
 
-def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden: torch.Tensor, request,
+def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Tensor, request,
                          settings: _Settings, eos: set, record: ExactRecord, row: int = 0) -> list[int]:
-    """Exact decoding of one row whose prompt is already in `cache` (Full KV; `last_hidden` ``[1, hidden]`` is the
-    final hidden state of its last position). Returns the new tokens; counts go to `record` row `row`."""
+    """Exact decoding of one row whose prompt is already in `drafts`' cache (Full KV; `last_hidden` ``[1, hidden]``
+    is the final hidden state of its last position). `drafts`: `CacheDrafts` or `EngineDrafts`. Returns the new
+    tokens; counts go to `record` row `row`."""
     max_new, sampling = request.max_new_tokens, request.do_sample
     final = list(prompt)
     length = len(final)
-    hidden = last_hidden
-    cache.selected_hidden = hidden[-1:]
 
     def choose(scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if not sampling:
@@ -299,10 +384,9 @@ def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden:
         probs = torch.softmax(scores, dim=-1)
         return sample_from(probs, float(torch.rand(()))), probs
 
-    final.append(choose(_processed(request, final, model.lm_logits(hidden[-1:])[0]))[0])
+    final.append(choose(_processed(request, final, model.lm_logits(last_hidden[-1:])[0]))[0])
     pending: list[int] = []
     pending_probs: list[torch.Tensor] = []
-    checkpoint = cache.checkpoint()
     while True:
         produced = len(final) - length + len(pending)
         if not pending and (final[-1] in eos or produced >= max_new):
@@ -311,14 +395,13 @@ def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden:
         head_asked = False
         if not must_verify:
             current = pending[-1] if pending else final[-1]
-            local_hidden, score = _local_step(model, cache, current, len(final) - 1 + len(pending), settings.use_head)
+            local_hidden, score = drafts.draft(current, len(final) - 1 + len(pending), settings.use_head)
             if score is not None and not score <= settings.verify_threshold:  # NaN asks too
-                cache.discard_pending()
+                drafts.reject()
                 head_asked = True
             else:
-                cache.commit(None)
-                cache.selected_hidden = local_hidden
                 token, probs = choose(_processed(request, final + pending, model.lm_logits(local_hidden)[0]))
+                drafts.accept(local_hidden)
                 pending.append(token)
                 pending_probs.append(probs)
                 record.drafted[row] += 1
@@ -327,8 +410,7 @@ def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden:
         need_next = produced < max_new and not (pending and pending[-1] in eos)
         tokens = [final[-1]] + (pending if need_next else pending[:-1])
         start = len(final) - 1
-        cache.rollback(checkpoint)
-        hidden = _full_pass(model, cache, tokens, start)
+        hidden = drafts.verify(tokens, start)
         record.full_passes[row] += 1
         record.head_verifications[row] += int(head_asked)
         prefix = final + pending
@@ -348,17 +430,9 @@ def decode_after_prefill(model, cache: OdaCache, prompt: list[int], last_hidden:
             else:
                 record.bonus[row] += 1
         keep = min(accepted + 1, len(tokens))  # x_V and the accepted drafts hold Full KV now
-        if keep < len(tokens) and cache.linear_layers:  # recurrent state cannot crop: recompute the kept tokens
-            cache.rollback(checkpoint)
-            hidden = _full_pass(model, cache, tokens[:keep], start)
-            record.full_passes[row] += 1
-        for layer in cache.layers:  # drop the rejected positions; window layers go back to their window
-            if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
-                layer.crop(start + keep)
-        cache.selected_hidden = hidden[keep - 1: keep]
+        record.full_passes[row] += drafts.keep(tokens, start, keep, hidden)
         final += pending[:accepted] + ([following] if following is not None else [])
         pending, pending_probs = [], []
-        checkpoint = cache.checkpoint()
     generated = final[length:]
     if eos and any(token in eos for token in generated):
         generated = generated[: next(i for i, token in enumerate(generated) if token in eos) + 1]

@@ -259,18 +259,17 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         ``oda_mode="exact"`` returns Full's output token for token (`oda_hf.exact`): Local drafts up to
         `max_draft` tokens (default 3), and one Full pass verifies them when the head's score passes
         `verify_threshold` (default: the routing threshold; ``math.inf`` verifies every `max_draft` tokens, head
-        unused).
+        unused); with ``oda_fast=True`` on the static engine.
         ``model.routing`` is then an `ExactRecord` (drafted, accepted, corrected tokens, Full passes).
         """
         if oda_mode not in ("approximate", "exact"):
             raise ValueError(f"oda_mode must be 'approximate' (routed: Local or Full per step) or 'exact' (Local "
                              f"drafts, Full verifies); got {oda_mode!r}.")
         if oda_mode == "exact":
-            if oda_fast:
-                raise ValueError("oda_mode='exact' runs on the Transformers path; drop oda_fast=True.")
             from .exact import generate_exact
 
-            return generate_exact(self, *args, max_draft=max_draft, verify_threshold=verify_threshold, **kwargs)
+            return generate_exact(self, *args, max_draft=max_draft, verify_threshold=verify_threshold,
+                                  oda_fast=oda_fast, **kwargs)
         for name, value in (("max_draft", max_draft), ("verify_threshold", verify_threshold)):
             if value is not None:
                 raise ValueError(f"{name} only applies with oda_mode='exact'; drop it or pass oda_mode='exact'.")

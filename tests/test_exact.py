@@ -242,7 +242,7 @@ def test_sampling_gives_full_distribution():
     (dict(verify_threshold=math.nan), ValueError, "`verify_threshold` must be a number"),
     (dict(verify_threshold=-math.inf), ValueError, "verify every token"),
     (dict(oda_mode="fast"), ValueError, "oda_mode must be 'approximate'"),
-    (dict(oda_fast=True), ValueError, "drop oda_fast=True"),
+    (dict(oda_fast=True, num_beams=2), ValueError, "is not supported with oda_mode='exact'"),
     (dict(output_scores=True, return_dict_in_generate=True), ValueError, "output_scores / output_logits"),
 ])
 def test_bad_exact_settings(kwargs, error, fragment):

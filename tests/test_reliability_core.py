@@ -320,6 +320,11 @@ def test_generate_exact_prints_full_output(base_folder, capsys):
     assert main(common + ["--policy", "local", "--exact", "--verify-threshold", "inf", "--max-draft", "4"]) == 0
     captured = capsys.readouterr()
     assert captured.out == full and "[oda] exact sinks=2 window=6 | exact: 12 tokens" in captured.err
+    assert main(common + ["--policy", "local", "--exact", "--verify-threshold", "inf", "--fast"]) == 0
+    captured = capsys.readouterr()  # the same on the static engine
+    assert captured.out == full and "[oda] exact sinks=2 window=6 | exact: 12 tokens" in captured.err
+    assert main(common + ["--policy", "full", "--fast"]) == 0
+    assert capsys.readouterr().out == full
 
 
 def test_publish_files_swaps_a_folder_whole(tmp_path):

@@ -35,12 +35,14 @@ def answer_ids(example, tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def ruler_documents(tokenizer, lengths, n, seed, split="train", reference_window=None) -> list[dict]:
+def ruler_documents(tokenizer, lengths, n, seed, split="train", reference_window=None, chat_template=True,
+                    max_position_embeddings=8192) -> list[dict]:
     examples = generate_suite(tokenizer, lengths=lengths, split=split, n=n, haystack="kjv", seed=seed,
-                              max_position_embeddings=8192, progress=True)
+                              max_position_embeddings=max_position_embeddings, chat_template=chat_template,
+                              progress=True)
     documents = []
     for e in examples:
-        prompt, answer = encode_prompt(e, tokenizer, chat_template=True), answer_ids(e, tokenizer)
+        prompt, answer = encode_prompt(e, tokenizer, chat_template=chat_template), answer_ids(e, tokenizer)
         document = {"id": e.id, "input_ids": prompt + answer}
         if reference_window is not None:  # score the question's end and the answer (the decode positions)
             document |= {"start": len(prompt) - reference_window, "count": reference_window + len(answer) - 1}
@@ -71,6 +73,9 @@ def main() -> None:
     parser.add_argument("--split", choices=("train", "dev", "test"), default="train")
     parser.add_argument("--reference-window", type=int, default=None,
                         help="diagnostics files: score RULER documents from this many tokens before the answer")
+    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                        help="RULER prompts inside the chat template (--no-chat-template for base models, e.g. Gemma)")
+    parser.add_argument("--max-position-embeddings", type=int, default=8192, help="the model's context limit")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -79,7 +84,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_base(args.tokenizer))  # "smollm2" works
     documents = []
     for length, n in zip(args.lengths, args.n, strict=True):
-        documents += ruler_documents(tokenizer, [length], n, args.seed, args.split, args.reference_window)
+        documents += ruler_documents(tokenizer, [length], n, args.seed, args.split, args.reference_window,
+                                     args.chat_template, args.max_position_embeddings)
     documents += prose_documents(tokenizer, args.prose, args.prose_tokens, args.seed, args.split)
     with open(args.out, "w", encoding="utf-8") as f:
         for document in documents:

@@ -13,6 +13,8 @@ then ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mas
     (read in place by the Local backend, `LocalAttention`);
   - ``full``: the candidate goes to cache column ``n`` (a device index) and to the Full candidate
     scratch; returns the first ``capacity`` columns of the bucket (static shape within a bucket);
+  - ``verify`` (exact decoding, eager, batch 1): several tokens go to columns ``[start, start + m)``;
+    returns columns ``[0, start + m)``, read under a causal mask;
 
 * registers `engine_attention_forward` under ``"oda_static_engine"`` and switches the model's
   attention implementation to it only while a routed step runs (`engine_attention`), restoring it
@@ -36,10 +38,11 @@ from ..kernels import (
     local_attention_decode_reference,
     local_visible_slots,
 )
+from ..packed_attention import packed_sdpa_forward
 from .state import EngineState
 
 ENGINE_ATTENTION = "oda_static_engine"
-PREFILL, LOCAL, FULL = "prefill", "local", "full"
+PREFILL, LOCAL, FULL, VERIFY = "prefill", "local", "full", "verify"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,6 +57,8 @@ def engine_attention_forward(module, query, key, value, attention_mask, scaling=
     if mode == FULL:
         return sdpa_attention_forward(module, query, key, value, kwargs["oda_full_mask"], dropout=0.0,
                                       scaling=scaling, is_causal=False)
+    if mode == VERIFY:  # several tokens with a causal mask: query heads stacked per KV group (no K/V copies)
+        return packed_sdpa_forward(module, query, key, value, kwargs["oda_full_mask"], scaling=scaling)
     raise RuntimeError(
         f"The '{ENGINE_ATTENTION}' attention implementation only runs inside an OdaStaticEngine step "
         "(it needs the engine's oda_* arguments)."
@@ -150,13 +155,19 @@ class _EngineLayer(CacheLayerMixin):
             state.cache_keys[layer, :, :, :length] = key_states
             state.cache_values[layer, :, :, :length] = value_states
             return state.cache_keys[layer, :, :, :length], state.cache_values[layer, :, :, :length]
-        if key_states.shape[-2] != 1:
+        if key_states.shape[-2] != 1 and mode != VERIFY:
             raise ValueError(f"An engine step decodes one token per row; got {key_states.shape[-2]} in {mode} mode.")
         if mode == LOCAL:
             # The workspace's current slot doubles as the Local candidate the commit reads.
             state.ws_keys[layer, :, :, -1:] = key_states
             state.ws_values[layer, :, :, -1:] = value_states
             return state.ws_keys[layer], state.ws_values[layer]
+        if mode == VERIFY:
+            start = self.owner.verify_start
+            stop = start + key_states.shape[-2]
+            state.cache_keys[layer, :, :, start:stop] = key_states
+            state.cache_values[layer, :, :, start:stop] = value_states
+            return state.cache_keys[layer, :, :, :stop], state.cache_values[layer, :, :, :stop]
         # FULL: native Full writes its candidate into column n (a device index: no host read), and
         # keeps a copy for the workspace update of the commit.
         state.cache_keys[layer].index_copy_(2, state.cache_position, key_states)
@@ -191,4 +202,6 @@ class EngineCache(Cache):
         self.state, self.mode = state, mode
         #: Full mode: columns the attention reads (the current length bucket's capacity).
         self.full_columns = state.capacity
+        #: Verify mode: the first column the pass writes (set by the engine before each pass).
+        self.verify_start = 0
         super().__init__(layers=[_EngineLayer(self, i) for i in range(num_layers)])

@@ -27,9 +27,18 @@ import torch
 
 from ..cache import workspace_geometry
 from ..compat import cache_kwargs
-from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted
+from ..kernels import HAS_TRITON, fused_commit, kernels_interpreted, workspace_slot
 from . import routing as device_routing
-from .attention import FULL, LOCAL, PREFILL, EngineCache, LocalAttention, engine_attention, register_engine_attention
+from .attention import (
+    FULL,
+    LOCAL,
+    PREFILL,
+    VERIFY,
+    EngineCache,
+    LocalAttention,
+    engine_attention,
+    register_engine_attention,
+)
 from .graphs import (
     CONDITIONALS,
     DEFAULT_BUCKET_SIZE,
@@ -119,7 +128,7 @@ class OdaStaticEngine:
             device=self.device)
         self.local = LocalAttention(self.kernels, self.ws_sinks, self.ws_window, layers=layers, batch=batch_size,
                                     q_heads=q_heads, head_dim_v=head_dim, dtype=self.dtype, device=self.device)
-        self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL)}
+        self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL, VERIFY)}
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
         self.graphs = StepGraphs(self.graph_mode, self.device) if self.graph_mode != "eager" else None
@@ -128,12 +137,15 @@ class OdaStaticEngine:
         # Host mirrors of device counters: advanced by one per step, never read back from the device.
         self._length = 0  # committed columns n
         self._steps = 0  # routed steps in this request
+        self._exact_mark = 0  # exact decoding: first position drafted since the last verification
         self._used = 0  # columns written since the last reset (what reset clears)
         self._plan = self._policy = None
         self._step_limit = 0
         self._finished_at = None
         self._routing = None
         self._weights = self._weights_fingerprint()
+        self._draft_hidden = torch.zeros(batch_size, config.hidden_size, dtype=self.dtype, device=self.device)
+        self._draft_score = torch.zeros(batch_size, dtype=torch.float32, device=self.device)
         self._released = False
 
     # -- configuration -------------------------------------------------------------------------------
@@ -201,7 +213,7 @@ class OdaStaticEngine:
         """Forget the current request (history, workspace, hidden state, counters); keep buffers and graphs."""
         self._require_alive()
         self.state.reset(self._used)
-        self._length = self._steps = self._used = 0
+        self._length = self._steps = self._used = self._exact_mark = 0
         self._plan = self._finished_at = self._routing = None
 
     def _begin_request(self, batch: int, length: int, max_steps: int | None) -> None:
@@ -252,7 +264,7 @@ class OdaStaticEngine:
         hidden = out.last_hidden_state
         self.state.load_prefix(mask.bool(), self.ws_sinks, self.ws_window)
         self.state.selected_hidden.copy_(hidden[:, -1])
-        self._length = self._used = length
+        self._length = self._used = self._exact_mark = length
         return self.model.lm_logits(hidden[:, -1:])[:, -1]
 
     @torch.no_grad()
@@ -287,7 +299,7 @@ class OdaStaticEngine:
             raise ValueError(f"Expected one (keys, values) per layer ({layers}); got {loaded}.")
         self.state.load_prefix(mask.bool(), self.ws_sinks, self.ws_window)
         self.state.selected_hidden.copy_(selected_hidden)
-        self._length = self._used = length
+        self._length = self._used = self._exact_mark = length
 
     def _check_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:
         if attention_mask is None:
@@ -419,6 +431,108 @@ class OdaStaticEngine:
                          full_already_written=True)
         else:
             state.commit(select_full, with_full, self.ws_sinks, self.ws_window)
+
+    # -- exact decoding (oda_hf.exact): Local drafts and Full verification passes, one row -----------------
+    def draft_step(self, token: int, run_head: bool) -> tuple[torch.Tensor, float | None]:
+        """A Local step on `token` at the next position, not yet committed: ``(Local hidden [1, d], score)``.
+
+        The score is the recall head's (None when `run_head` is False or the history is within s + w, where
+        Local reads what Full reads). `accept_draft` commits the step's Local KV; anything else drops it.
+        On CUDA the step replays a captured graph (one per `run_head`), as routed steps do.
+        """
+        self._require_exact_request()
+        if self._length + 1 > self.capacity:
+            raise ValueError(f"The engine's capacity of {self.capacity} columns is full.")
+        in_window = self._length + 1 <= self.sinks + self.window
+        run_head = run_head and not in_window
+        self.state.input_ids.fill_(int(token))
+        key = GraphKey(0, device_routing.StepPlan(("exact-draft",), run_local=True, run_head=run_head, never_full=True))
+        if self.graphs is None:
+            self._draft_body(run_head)
+        else:  # the body writes only the workspace's current slot and the draft scratch: no transaction needed
+            if key not in self.graphs:
+                self.graphs.warm_up(lambda: self._draft_body(run_head))
+                self.graphs.capture(key, lambda: self._draft_body(run_head))
+            self.graphs.replay(key)
+        return self._draft_hidden, float(self._draft_score[0]) if run_head else None
+
+    def _draft_body(self, run_head: bool) -> None:
+        with torch.no_grad(), engine_attention(self.model.config):
+            state = self.state
+            embeds = self.embed(state.input_ids)
+            hidden = self._decode(LOCAL, embeds, state.valid_count[:, None].clone(), oda_local=self.local,
+                                  oda_valid_count=state.valid_count,
+                                  oda_local_mask=self.local.visibility(state.valid_count))
+            self._draft_hidden.copy_(hidden)
+            if run_head:
+                self._draft_score.copy_(self.model.recall_head(state.selected_hidden, embeds[:, -1], hidden))
+
+    def accept_draft(self) -> None:
+        """Commit the last `draft_step`'s Local KV at the next position; its hidden state becomes the selected one."""
+        self._require_exact_request()
+        local_only = self._forced[False].expand(self.batch_size)
+        self._commit(local_only, with_full=False)
+        self.state.selected_hidden.copy_(self._draft_hidden)
+        self.state.advance(local_only)
+        self._length += 1
+        self._used = max(self._used, self._length)
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """One Full pass over `tokens` ``[m]`` at positions ``start...``: their Full KV goes into cache columns
+        ``[start, start + m)``; returns their final hidden states ``[m, d]``. Follow with `keep_verified`."""
+        self._require_exact_request()
+        tokens = tokens.reshape(1, -1).to(self.device)
+        count = tokens.shape[1]
+        if not 0 <= start <= self._length or start + count > self.capacity:
+            raise ValueError(f"A verification of {count} tokens at position {start} does not fit: {self._length} "
+                             f"positions are committed, the capacity is {self.capacity}.")
+        stop = start + count
+        positions = torch.arange(start, stop, device=self.device)[None]
+        causal = (self._column_index[:stop][None, :] <= positions[0][:, None])[None, None]  # [1, 1, m, stop]
+        self._caches[VERIFY].verify_start = start
+        with engine_attention(self.model.config):
+            hidden = self._decoder_hidden(VERIFY, self.embed(tokens), positions, oda_full_mask=causal)
+        self._used = max(self._used, stop)
+        return hidden[0]
+
+    def keep_verified(self, length: int, selected_hidden: torch.Tensor) -> None:
+        """After `verify`: keep positions ``[0, length)`` (their KV is Full's), drop the rest, and put the
+        workspace back as that history's; `selected_hidden` ``[d]`` is the last kept position's Full hidden."""
+        self._require_exact_request()
+        state = self.state
+        touched = max(self._length, length)  # drafts wrote ring slots of [mark, _length); the pass may add one
+        if not self._exact_mark < length <= min(touched, self.capacity):
+            raise ValueError(f"keep_verified(length={length}) must keep a verified position in "
+                             f"({self._exact_mark}, {min(touched, self.capacity)}].")
+        state.cache_position.fill_(length)
+        state.valid_count.fill_(length)
+        # Each touched slot gets the latest position below `length` that maps to it: the position itself
+        # (its Full KV now) or one a ring's turn or more away (drafts longer than the ring overwrite their own
+        # slots; the cache still has every position). Slots a history of `length` does not fill stay masked.
+        position = torch.arange(self._exact_mark, touched, device=self.device)
+        ring = max(self.ws_window - 1, 1)
+        in_ring = position >= self.ws_sinks
+        source = torch.where(in_ring, position + ring * torch.div(length - 1 - position, ring, rounding_mode="floor"),
+                             position)
+        slot = workspace_slot(position, self.ws_sinks, self.ws_window)
+        keep = (slot >= 0) & torch.where(in_ring, source >= self.ws_sinks, position < length)
+        slot, source = slot[keep], source[keep]
+        for cache, workspace in ((state.cache_keys, state.ws_keys), (state.cache_values, state.ws_values)):
+            workspace[:, 0, :, slot] = cache[:, 0, :, source]
+        state.selected_hidden.copy_(selected_hidden.reshape(1, -1))
+        self._length = self._exact_mark = length
+
+    def _decoder_hidden(self, mode: str, embeds, positions, **attention_kwargs) -> torch.Tensor:
+        out = self.decoder(inputs_embeds=embeds, position_ids=positions, **cache_kwargs(self._caches[mode]),
+                           use_cache=True, oda_mode=mode, **attention_kwargs)
+        return out.last_hidden_state
+
+    def _require_exact_request(self) -> None:
+        self._require_request()
+        if self.batch_size != 1:
+            raise ValueError(f"Exact decoding runs one row at a time: build the engine with batch_size=1 (this one "
+                             f"has {self.batch_size}).")
 
     # -- whole requests ------------------------------------------------------------------------------
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):

@@ -200,7 +200,6 @@ def generate_fast(model, inputs=None, generation_config=None, *args, **kwargs):
     The engine is built on first use and reused while it fits (same batch size, enough capacity, same
     sinks/window); otherwise it is released and rebuilt. Routing lands in ``model.routing`` as usual.
     """
-    from .engine import OdaStaticEngine
     from .support import check_model_supported
 
     if args:
@@ -208,14 +207,21 @@ def generate_fast(model, inputs=None, generation_config=None, *args, **kwargs):
     check_model_supported(model)
     request = resolve_request(model, inputs, generation_config, kwargs)
     batch, prompt = request.input_ids.shape
-    needed = prompt + request.max_new_tokens
+    return run_request(engine_for(model, batch, prompt + request.max_new_tokens), request)
+
+
+def engine_for(model, batch: int, max_length: int):
+    """The static engine kept on `model`, rebuilt unless it fits (batch size, capacity, routing geometry, device)."""
+    from .engine import OdaStaticEngine
+
     engine = model.__dict__.get("_oda_static_engine")
-    fits = (engine is not None and not engine._released and engine.batch_size == batch and engine.capacity >= needed
+    fits = (engine is not None and not engine._released and engine.batch_size == batch
+            and engine.capacity >= max_length
             and (engine.sinks, engine.window) == (model.oda_config.sinks, model.oda_config.window)
             and (engine.device, engine.dtype) == (model.device, model.dtype))
     if not fits:
         if engine is not None and not engine._released:
             engine.release()
-        engine = OdaStaticEngine(model, max_length=needed, batch_size=batch)
+        engine = OdaStaticEngine(model, max_length=max_length, batch_size=batch)
         model.__dict__["_oda_static_engine"] = engine
-    return run_request(engine, request)
+    return engine

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A recall head for a real base and its held-out evaluation, with the library's public commands only.
+# The base's settings live in a profile (benchmarks/heads/<profile>.env); every step is resumable: rerun the
+# script and finished work is skipped or continued. Long; run it in the background, one thread:
+#   PROFILE=gemma3-270m RUN=runs/gemma nohup bash benchmarks/heads/pipeline.sh > gemma.log 2>&1 &
+# STEPS selects steps (default: all), e.g. STEPS="cache train". (benchmarks/smollm2/pipeline.sh made the
+# shipped SmolLM2 head before this script existed; it is kept as the record of that run.)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=/dev/null
+source "$here/${PROFILE:?set PROFILE, e.g. gemma3-270m}.env"
+RUN=${RUN:-runs/$PROFILE}; STEPS=${STEPS:-"fetch data cache train calibrate test diagnose"}
+export OMP_NUM_THREADS=1  # one thread per job is faster than two on a busy 2-core machine
+oda=(oda); py=(python)
+chat=(); plain=(--no-chat-template)  # evaluation flag / prompt-writing flag
+[ "$CHAT" = 1 ] && { chat=(--chat-template); plain=(); }
+mkdir -p "$RUN"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+has fetch && "${oda[@]}" fetch "$BASE"
+if has data; then
+  [ -f "$RUN/train.jsonl" ] || "${py[@]}" "$here/../smollm2/head_data.py" --tokenizer "$BASE" "${plain[@]}" \
+    --lengths $TRAIN_LENGTHS --n $TRAIN_N --prose "$TRAIN_PROSE" --prose-tokens "$SEQ_LEN" \
+    --max-position-embeddings "$CONTEXT" --out "$RUN/train.jsonl"
+  [ -f "$RUN/test_references.jsonl" ] || "${py[@]}" "$here/../smollm2/head_data.py" --tokenizer "$BASE" \
+    "${plain[@]}" --split test --reference-window 32 --lengths $TRAIN_LENGTHS --n 1 1 --prose 4 \
+    --prose-tokens "$SEQ_LEN" --max-position-embeddings "$CONTEXT" --out "$RUN/test_references.jsonl"
+  [ -f "$RUN/ruler-dev/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer "$BASE" "${plain[@]}" \
+    --lengths "$DEV_LENGTH" --split dev --n "$DEV_N" --haystack kjv --out "$RUN/ruler-dev/kjv" --no-progress
+  [ -f "$RUN/ruler-test/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer "$BASE" "${plain[@]}" \
+    --lengths $TEST_LENGTHS --split test --n "$TEST_N" --haystack kjv --out "$RUN/ruler-test/kjv" --no-progress
+fi
+has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jsonl" --output "$RUN/cache" \
+  --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$SEQ_LEN" --rows-per-shard 8 --threads 1
+has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" \
+  --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
+has calibrate && "${oda[@]}" calibrate --base "$BASE" --head "$RUN/head" --data "$RUN/ruler-dev/kjv/$DEV_LENGTH" \
+  --within-full 2 --grid $GRID "${chat[@]}" --out "$RUN/calibrate-dev" --threads 1
+if has test; then  # every policy of a prompt shares one Full prefill; THETA: the calibrated threshold
+  theta=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['chosen']['threshold'])" \
+    "$RUN/calibrate-dev/calibration.json")
+  for L in $TEST_LENGTHS; do
+    "${oda[@]}" eval --base "$BASE" --head "$RUN/head" --suite jsonl "${chat[@]}" --data "$RUN/ruler-test/kjv/$L" \
+      --policies full local oda random --thresholds "$theta" --seeds 42 43 44 --primary-threshold "$theta" \
+      --sinks "$SINKS" --window "$WINDOW" --limit "${LIMIT:-$TEST_N}" --out "$RUN/oda-test/$L"
+  done
+fi
+has diagnose && "${oda[@]}" diagnose --base "$BASE" --head "$RUN/head" --data "$RUN/test_references.jsonl" \
+  --positions 128 --out "$RUN/diagnose-test" --no-progress
+exit 0
