@@ -844,3 +844,38 @@ def test_cli_eval_and_diagnose(tmp_path):
     assert args.func(args) == 0
     for name in ("positions.jsonl", "diagnostics.md", "diagnostics.json", "budget_curve.png"):
         assert (diag / name).exists()
+
+
+def test_cli_eval_budget_policy_holds_per_request(tmp_path):
+    """`--policies budget:R`: the head under a Full-call budget at each ODA threshold; no request exceeds R, the
+    report names it and shows the highest per-request rate; an ungated head at the same threshold exceeds R."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    model.base_model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    model.recall_head.save_pretrained(tmp_path / "head")
+    suite = tmp_path / "suite.jsonl"
+    _write_jsonl(suite, [{"id": e.id, "task": e.task, "prompt": e.prompt, "answers": e.answers, "max_new_tokens": 12}
+                         for e in _suite(n_per_task=2, length=14)])
+    parser = argparse.ArgumentParser(prog="oda")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "eval"
+    args = parser.parse_args(["eval", "--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--sinks",
+                              "2", "--window", "4", "--data", str(suite), "--policies", "oda", "budget:0.25",
+                              "budget:0.5", "--thresholds", "-10", "--out", str(out), "--no-progress", "--no-plots"])
+    assert args.func(args) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    groups = report.summarize(records)
+    assert set(groups) == {"oda@-10", "budget@p0.25(oda@-10)", "budget@p0.5(oda@-10)"}
+    assert groups["oda@-10"].max_request_rate == 1.0  # the head asks at every step at this threshold
+    for rate in (0.25, 0.5):
+        group = groups[f"budget@p{rate:g}(oda@-10)"]
+        assert 0 < group.max_request_rate <= rate and group.full_calls > 0
+        for record in records:
+            if record["group"] == group.group:  # the budget holds at every prefix of the request, not on average
+                decided = record["decisions"][record["window_steps"]:]  # in-window steps come first
+                assert all(sum(decided[:n]) <= rate * n + 1e-9 for n in range(1, len(decided) + 1))
+    text = (out / "report.md").read_text()
+    assert "Budget (rate <= 0.25, head θ=-10)" in text and "Highest request rate" in text
+    bad = parser.parse_args.__self__  # the parser itself: budget:R is checked at parse time
+    with pytest.raises(SystemExit):
+        bad.parse_args(["eval", "--base", "x", "--data", "y", "--out", "z", "--policies", "budget:1.5"])

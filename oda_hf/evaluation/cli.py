@@ -122,12 +122,13 @@ def _policy_word(text: str) -> str:
     """A ``--policies`` word, checked whole at parse time (``random:`` or ``schedule:2.9:3`` are errors, not
     defaults)."""
     kind, colon, rest = text.partition(":")
-    usage = "use full, local, oda, random, random:P (0 <= P <= 1) or schedule:K:PERIOD (0 <= K <= PERIOD)"
+    usage = ("use full, local, oda, random, random:P (0 <= P <= 1), schedule:K:PERIOD (0 <= K <= PERIOD) or "
+             "budget:R (0 <= R <= 1)")
     try:
         if kind in ("full", "local", "streamingllm", "oda", "random") and not colon:
             return text
-        if kind == "random" and rest:
-            probability("random:P", float(rest))
+        if kind in ("random", "budget") and rest:
+            probability(f"{kind}:{'P' if kind == 'random' else 'R'}", float(rest))
             return text
         if kind == "schedule" and rest.count(":") == 1:
             k, period = rest.split(":")
@@ -197,6 +198,8 @@ def build_policies(words, thresholds, seeds) -> list:
                 specs += [runner.random_fixed(float(rest), s) for s in seeds]
             except ValueError as err:
                 raise UsageError(f"bad policy {word!r}: {err} (use random:P with 0 <= P <= 1)") from err
+        elif kind == "budget":  # the head at each ODA threshold of the run, under a Full-call budget that holds
+            specs += [runner.budget(float(rest), t) for t in thresholds]
         elif kind == "schedule":
             k, _, period = rest.partition(":")
             try:
@@ -263,7 +266,8 @@ def _run_eval(args) -> int:
         raise UsageError(f"--max-input-tokens truncates LongBench prompts; it does nothing with --suite {args.suite}: "
                          "drop it.")
     require_paths("--data", args.data)
-    oda_words = any(word.partition(":")[0] in ("oda", "random") and ":" not in word for word in args.policies)
+    oda_words = any(word.partition(":")[0] in ("oda", "random") and ":" not in word or word.startswith("budget:")
+                    for word in args.policies)
     # Flags no policy of this run reads would be silently ignored: refuse them.
     if (args.thresholds is not None or args.paper_sweep) and not oda_words:
         raise UsageError(f"{'--thresholds' if args.thresholds is not None else '--paper-sweep'} sets the thresholds of "
@@ -282,8 +286,9 @@ def _run_eval(args) -> int:
         (args.thresholds if args.thresholds is not None else [model.oda_config.threshold])
     primary = _primary_threshold(args, thresholds if oda_words else None)
     policies = build_policies(args.policies, thresholds, args.seeds)
-    if any(p.kind == "oda" for p in policies) and model.recall_head is None:
-        raise UsageError("ODA policies need --head (or evaluate only full/local/random:P/schedule policies).")
+    if any(p.kind in ("oda", "budget") for p in policies) and model.recall_head is None:
+        raise UsageError("ODA and budget policies need --head (or evaluate only full/local/random:P/schedule "
+                         "policies).")
     if args.trajectories and not any(p.kind == "oda" for p in policies):
         raise UsageError("--trajectories renders ODA runs: add oda to --policies, or drop --trajectories.")
     with user_input("--data"):

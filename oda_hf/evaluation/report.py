@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .metrics import CHINESE_METRICS, LONGBENCH_TASKS, RULER_TASKS, zh_segmentation
 
-KIND_ORDER = {"full": 0, "local": 1, "oda": 2, "random": 3, "schedule": 4}
+KIND_ORDER = {"full": 0, "local": 1, "oda": 2, "random": 3, "schedule": 4, "budget": 5}
 
 
 @dataclass
@@ -65,8 +65,14 @@ class PolicyStats:
 
     name: str
     tasks: dict[str, TaskStats] = field(default_factory=dict)
+    #: The highest Full-call rate of one request (steps past the window); what a budget policy guarantees.
+    max_request_rate: float = float("nan")
 
     def add(self, record: dict) -> None:
+        steps = record["routed_steps"] - record.get("window_steps", 0)
+        if steps:
+            rate = (record["full_calls"] - record.get("window_full_calls", 0)) / steps
+            self.max_request_rate = rate if math.isnan(self.max_request_rate) else max(self.max_request_rate, rate)
         stats = self.tasks.setdefault(record["task"], TaskStats())
         stats.examples += 1
         stats.score_sum += record["score"]
@@ -192,6 +198,11 @@ class GroupSummary:
     def full_calls(self) -> int:
         return sum(run.full_calls for run in self.runs)
 
+    @property
+    def max_request_rate(self) -> float:
+        rates = [run.max_request_rate for run in self.runs if not math.isnan(run.max_request_rate)]
+        return max(rates) if rates else float("nan")
+
 
 def summarize(records: Iterable[dict]) -> dict[str, GroupSummary]:
     """Group records by policy group (seeds together), ordered Full, StreamingLLM, ODA, Random, schedules."""
@@ -257,6 +268,8 @@ def _title(summary: GroupSummary) -> str:
         base = summary.group.replace("random~oda@", "Random (matched to ODA θ=").replace("random@p", "Random (p=")
         seeds = f", {summary.seeds} seeds" if summary.seeds > 1 else ""
         return f"{base}{seeds})"
+    if summary.kind == "budget":
+        return summary.group.replace("budget@p", "Budget (rate <= ").replace("(oda@", ", head θ=")
     return summary.group.replace("schedule:", "Schedule ")
 
 
@@ -276,7 +289,7 @@ def main_table(groups: dict[str, GroupSummary], primary_threshold: float | None 
         raise ValueError(f"primary threshold {primary_threshold:g} was not run (ODA thresholds in the records: {run}); "
                          "give one of them (--primary-threshold).")
     columns = [g for g in groups.values()
-               if g.kind in ("full", "local", "schedule")
+               if g.kind in ("full", "local", "schedule", "budget")
                or (g.kind == "oda" and g.threshold == primary_threshold)
                or (g.kind == "random" and (g.threshold == primary_threshold or not g.group.startswith("random~")))]
     tasks = task_order(t for g in columns for t in g.tasks)
@@ -316,11 +329,12 @@ def sweep_table(groups: dict[str, GroupSummary]) -> str:
 def routing_table(groups: dict[str, GroupSummary]) -> str:
     """Per policy group: generations, routed steps, Full calls, both rates, output-cap hits."""
     lines = ["| Policy | Runs | Generations | Routed steps | In window | Full calls | Full-call rate (pooled) | "
-             "Full-call rate (task-avg) | Paper rate (pooled) | Output-cap hits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Full-call rate (task-avg) | Highest request rate | Paper rate (pooled) | Output-cap hits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in groups.values():
+        highest = "n/a" if math.isnan(g.max_request_rate) else f"{100 * g.max_request_rate:.1f}%"
         lines.append(f"| {_title(g)} | {g.seeds} | {g.examples} | {g.routed_steps} | {g.window_steps} | {g.full_calls} "
-                     f"| {_num(g.pooled_rate, 100, '%')} | {_num(g.task_averaged_rate, 100, '%')} | "
+                     f"| {_num(g.pooled_rate, 100, '%')} | {_num(g.task_averaged_rate, 100, '%')} | {highest} | "
                      f"{_num(g.paper_pooled_rate, 100, '%')} | {g.cap_hits}/{g.examples} |")
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import cache_kwargs
-from ..policies import RandomPolicy, SchedulePolicy
+from ..policies import BudgetPolicy, RandomPolicy, SchedulePolicy
 from .metrics import score_example, scorer_identity
 from .suites import EvalExample
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 PAPER_THRESHOLDS = (-0.01, -0.005, -0.001, 0.0, 0.001, 0.005, 0.01, 0.05)
 #: The paper's Random-control seeds.
 PAPER_SEEDS = (42, 43, 44)
-KINDS = ("full", "local", "oda", "random", "schedule")
+KINDS = ("full", "local", "oda", "random", "schedule", "budget")
 
 
 def _fmt(value: float) -> str:
@@ -50,7 +50,8 @@ class PolicySpec:
     kinds: ``full`` (native attention), ``local`` (StreamingLLM: always Local), ``oda`` (the head
     at `threshold`), ``random`` (Full with probability `p`, or, with ``matched=True``, with ODA's
     observed per-task rate at `threshold`; seeded), ``schedule`` (Full on the first `k` of every
-    `period` routed steps).
+    `period` routed steps), ``budget`` (the head at `threshold` under a Full-call budget `p` that holds for
+    every request: `BudgetPolicy`).
     """
 
     kind: str
@@ -77,6 +78,10 @@ class PolicySpec:
                 RandomPolicy(self.p, self.seed)  # validates p
         if self.kind == "schedule":
             SchedulePolicy(self.k, self.period)  # validates k and period
+        if self.kind == "budget":
+            if self.threshold is None:
+                raise ValueError("A budget policy needs the head's threshold.")
+            BudgetPolicy(self.p, self.threshold)  # validates the rate
 
     @property
     def group(self) -> str:
@@ -89,6 +94,8 @@ class PolicySpec:
             return f"oda@{_fmt(self.threshold)}"
         if self.kind == "schedule":
             return f"schedule:{self.k}/{self.period}"
+        if self.kind == "budget":
+            return f"budget@p{_fmt(self.p)}(oda@{_fmt(self.threshold)})"
         return f"random~oda@{_fmt(self.threshold)}" if self.matched else f"random@p{_fmt(self.p)}"
 
     @property
@@ -105,6 +112,8 @@ class PolicySpec:
             return {"policy": "head", "threshold": float(self.threshold)}
         if self.kind == "schedule":
             return {"policy": SchedulePolicy(self.k, self.period)}
+        if self.kind == "budget":
+            return {"policy": BudgetPolicy(self.p, self.threshold)}
         probability = self.p if not self.matched else p
         if probability is None:
             raise ValueError(f"{self.name}: the matched probability is not known yet.")
@@ -137,6 +146,10 @@ def random_fixed(p: float, seed: int) -> PolicySpec:
 
 def schedule(k: int, period: int) -> PolicySpec:
     return PolicySpec("schedule", k=int(k), period=int(period))
+
+
+def budget(rate: float, threshold: float) -> PolicySpec:
+    return PolicySpec("budget", threshold=float(threshold), p=float(rate))
 
 
 def paper_policies(thresholds: Sequence[float] = PAPER_THRESHOLDS, seeds: Sequence[int] = PAPER_SEEDS,
