@@ -2,7 +2,8 @@
 # The SmolLM2-135M-Instruct recall head and its evaluation, end to end, with the library's public commands.
 # Every step is resumable: rerun the script and finished work is skipped. Long; run it in the background:
 #   RUN=runs/smollm2 nohup bash benchmarks/smollm2/pipeline.sh > smollm2.log 2>&1 &
-# STEPS selects steps (default: all), e.g. STEPS="baselines" or STEPS="cache train diagnose".
+# STEPS selects steps (default: all), e.g. STEPS="baselines" or STEPS="cache train diagnose"; the budget step
+# (not in the default list) evaluates the shipped head under a Full-call budget: STEPS="data budget" HEAD=smollm2.
 set -euo pipefail
 RUN=${RUN:-runs/smollm2}; STEPS=${STEPS:-"fetch data baselines cache train calibrate oda diagnose ship"}
 THETA=${THETA:-0.2}  # the threshold `calibrate` chose for the shipped head (dev split, within 2 points of Full)
@@ -50,6 +51,11 @@ fi
 if has diagnose; then  # fixed-reference gains on held-out sequences: head vs Local-confidence baselines
   "${oda[@]}" diagnose --base smollm2 --head "$RUN/head" --data "$RUN/test_references.jsonl" \
     --positions 128 --out "$RUN/diagnose-test" --no-progress
+fi
+if has budget; then  # a Full-call budget that holds (BudgetPolicy at THETA) against Random at the same rates
+  "${oda[@]}" eval --base smollm2 --head "${HEAD:-$RUN/head}" --suite jsonl --chat-template \
+    --data "$RUN/ruler-test/kjv/2048" --policies budget:0.25 budget:0.4 random:0.25 random:0.4 --thresholds "$THETA" \
+    --seeds 42 43 --limit "${LIMIT:-5}" --out "$RUN/budget-test/2048"
 fi
 has ship && "${py[@]}" benchmarks/smollm2/ship_head.py --head "$RUN/head" \
   --eval benchmarks/results/smollm2/baselines "$RUN/oda-test" --diagnose "$RUN/diagnose-test"

@@ -410,9 +410,7 @@ class OdaStaticEngine:
         state.advance(select_full)
 
     def _decode(self, mode: str, embeds, positions, **attention_kwargs) -> torch.Tensor:
-        out = self.decoder(inputs_embeds=embeds, position_ids=positions, **cache_kwargs(self._caches[mode]),
-                           use_cache=True, oda_mode=mode, **attention_kwargs)
-        return out.last_hidden_state[:, -1]
+        return self._decoder_hidden(mode, embeds, positions, **attention_kwargs)[:, -1]
 
     def _full_branch(self, embeds, positions, full_mask):
         # A fresh tensor: torch.cond outputs must not alias inputs or buffers.
