@@ -12,6 +12,7 @@ source "$here/${PROFILE:?set PROFILE, e.g. gemma3-270m}.env"
 RUN=${RUN:-runs/$PROFILE}; STEPS=${STEPS:-"fetch data cache train calibrate test diagnose"}
 export OMP_NUM_THREADS=1  # one thread per job is faster than two on a busy 2-core machine
 oda=(oda); py=(python)
+cap=(); [ -n "${MAX_NEW:-}" ] && cap=(--max-new-tokens "$MAX_NEW")  # output cap of every prompt, if the profile sets one
 chat=(); plain=(--no-chat-template)  # evaluation flag / prompt-writing flag
 [ "$CHAT" = 1 ] && { chat=(--chat-template); plain=(); }
 mkdir -p "$RUN"
@@ -34,12 +35,12 @@ has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jso
 has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" \
   --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
 has calibrate && "${oda[@]}" calibrate --base "$BASE" --head "$RUN/head" --data "$RUN/ruler-dev/kjv/$DEV_LENGTH" \
-  --within-full 2 --grid $GRID "${chat[@]}" --out "$RUN/calibrate-dev" --threads 1
+  --within-full 2 --grid $GRID "${chat[@]}" "${cap[@]}" --out "$RUN/calibrate-dev" --threads 1
 if has test; then  # every policy of a prompt shares one Full prefill; THETA: the calibrated threshold
   theta=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['chosen']['threshold'])" \
     "$RUN/calibrate-dev/calibration.json")
   for L in $TEST_LENGTHS; do
-    "${oda[@]}" eval --base "$BASE" --head "$RUN/head" --suite jsonl "${chat[@]}" --data "$RUN/ruler-test/kjv/$L" \
+    "${oda[@]}" eval --base "$BASE" --head "$RUN/head" --suite jsonl "${chat[@]}" "${cap[@]}" --data "$RUN/ruler-test/kjv/$L" \
       --policies full local oda random --thresholds "$theta" --seeds 42 43 44 --primary-threshold "$theta" \
       --sinks "$SINKS" --window "$WINDOW" --limit "${LIMIT:-$TEST_N}" --out "$RUN/oda-test/$L"
   done
