@@ -792,17 +792,23 @@ def test_trajectory_html_and_png(tmp_path):
 # -- the command line ---------------------------------------------------------------------------------------------
 
 
-def test_cli_eval_and_diagnose(tmp_path):
-    pytest.importorskip("matplotlib")
+def _cli_setup(tmp_path, max_new_tokens: int, **suite):
+    """A tiny base and head saved under `tmp_path`, a JSONL suite, and the `oda` parser: (model, suite, parser)."""
     model, tokenizer = oda_model(), word_tokenizer()
     model.base_model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     model.recall_head.save_pretrained(tmp_path / "head")
-    suite = tmp_path / "suite.jsonl"
-    _write_jsonl(suite, [{"id": e.id, "task": e.task, "prompt": e.prompt, "answers": e.answers, "max_new_tokens": 5}
-                         for e in _suite(n_per_task=1)])
+    path = tmp_path / "suite.jsonl"
+    _write_jsonl(path, [{"id": e.id, "task": e.task, "prompt": e.prompt, "answers": e.answers,
+                         "max_new_tokens": max_new_tokens} for e in _suite(**suite)])
     parser = argparse.ArgumentParser(prog="oda")
     add_cli(parser.add_subparsers(dest="command", required=True))
+    return model, path, parser
+
+
+def test_cli_eval_and_diagnose(tmp_path):
+    pytest.importorskip("matplotlib")
+    model, suite, parser = _cli_setup(tmp_path, 5, n_per_task=1)
     common = ["--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--sinks", "2", "--window", "4"]
     out = tmp_path / "eval"
     args = parser.parse_args(["eval", *common, "--data", str(suite), "--policies", "full", "local", "oda", "random",
@@ -849,15 +855,7 @@ def test_cli_eval_and_diagnose(tmp_path):
 def test_cli_eval_budget_policy_holds_per_request(tmp_path):
     """`--policies budget:R`: the head under a Full-call budget at each ODA threshold; no request exceeds R, the
     report names it and shows the highest per-request rate; an ungated head at the same threshold exceeds R."""
-    model, tokenizer = oda_model(), word_tokenizer()
-    model.base_model.save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-    model.recall_head.save_pretrained(tmp_path / "head")
-    suite = tmp_path / "suite.jsonl"
-    _write_jsonl(suite, [{"id": e.id, "task": e.task, "prompt": e.prompt, "answers": e.answers, "max_new_tokens": 12}
-                         for e in _suite(n_per_task=2, length=14)])
-    parser = argparse.ArgumentParser(prog="oda")
-    add_cli(parser.add_subparsers(dest="command", required=True))
+    _, suite, parser = _cli_setup(tmp_path, 12, n_per_task=2, length=14)
     out = tmp_path / "eval"
     args = parser.parse_args(["eval", "--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--sinks",
                               "2", "--window", "4", "--data", str(suite), "--policies", "oda", "budget:0.25",

@@ -61,15 +61,21 @@ def test_window_boundaries_and_ring_wrap(prompt_length):
                            stock(model, ids, max_new_tokens=20))
 
 
+# The next three also run on the static engine (oda_fast=True: these families are full-attention ones).
+BACKENDS = pytest.mark.parametrize("oda_fast", [False, True], ids=["hf", "engine"])
+
+
+@BACKENDS
 @pytest.mark.parametrize("heads", [(4, 1), (6, 3), (7, 7)])
-def test_gqa_layouts(heads):
+def test_gqa_layouts(heads, oda_fast):
     model = exact_model("llama", num_attention_heads=heads[0], num_key_value_heads=heads[1], hidden_size=56)
     ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(exact(model, ids, max_new_tokens=16, max_draft=4, verify_threshold=0.0),
+    assert torch.equal(exact(model, ids, max_new_tokens=16, max_draft=4, verify_threshold=0.0, oda_fast=oda_fast),
                        stock(model, ids, max_new_tokens=16))
 
 
-def test_padded_batch_equals_stock_padded_batch():
+@BACKENDS
+def test_padded_batch_equals_stock_padded_batch(oda_fast):
     model = exact_model("qwen2")
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(3, 90, (3, 24), generator=generator)
@@ -78,22 +84,24 @@ def test_padded_batch_equals_stock_padded_batch():
     ids = ids.masked_fill(mask == 0, 0)
     reference = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
-                         oda_mode="exact", max_draft=4)
+                         oda_mode="exact", max_draft=4, oda_fast=oda_fast)
     assert torch.equal(out, reference)
     assert model.routing.generated == [14, 14, 14]
 
 
-def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft():
+@BACKENDS
+def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft(oda_fast):
     model = exact_model("qwen3")
     ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5))
     free = stock(model, ids, max_new_tokens=30)[0, 30:]
     eos = int(free[9])  # the 10th token becomes EOS: it falls inside an 8-token draft
     reference = model.base_model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos)
     out = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos,
-                         oda_mode="exact", max_draft=8, verify_threshold=math.inf)
+                         oda_mode="exact", max_draft=8, verify_threshold=math.inf, oda_fast=oda_fast)
     assert torch.equal(out, reference) and out.shape[1] <= 30 + 10
     for new in (1, 5, 7, 13):  # the cap in the middle of a draft
-        assert torch.equal(exact(model, ids, max_new_tokens=new, max_draft=8, verify_threshold=math.inf),
+        assert torch.equal(exact(model, ids, max_new_tokens=new, max_draft=8, verify_threshold=math.inf,
+                                 oda_fast=oda_fast),
                            stock(model, ids, max_new_tokens=new))
 
 

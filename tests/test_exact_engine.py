@@ -1,5 +1,6 @@
 """Exact ODA on the static engine (`generate(..., oda_mode="exact", oda_fast=True)`): the same output as stock
-`generate()` and as exact mode on the Transformers path, with the same drafts, verifications and counts."""
+`generate()` and as exact mode on the Transformers path, with the same drafts, verifications and counts.
+(GQA layouts, padded batches, EOS and caps inside a draft: test_exact.py runs them on both backends.)"""
 
 import math
 
@@ -50,38 +51,6 @@ def test_engine_window_boundaries_and_ring_wrap(prompt_length):
                                          verify_threshold=threshold)
         assert torch.equal(fast, reference) and torch.equal(hf, reference)
         assert_same_records(*records)
-
-
-@pytest.mark.parametrize("heads", [(4, 1), (6, 3), (7, 7)])
-def test_engine_gqa_layouts(heads):
-    model = exact_model("llama", num_attention_heads=heads[0], num_key_value_heads=heads[1], hidden_size=56)
-    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(exact(model, ids, max_new_tokens=16, max_draft=4, verify_threshold=0.0, oda_fast=True),
-                       stock(model, ids, max_new_tokens=16))
-
-
-def test_engine_padded_batch_eos_and_caps():
-    model = exact_model("qwen2")
-    generator = torch.Generator().manual_seed(4)
-    ids = torch.randint(3, 90, (3, 24), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[0, :5], mask[2, :11] = 0, 0
-    ids = ids.masked_fill(mask == 0, 0)
-    reference = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
-                         oda_mode="exact", max_draft=4, oda_fast=True)
-    assert torch.equal(out, reference) and model.routing.generated == [14, 14, 14]
-
-    one = ids[:1, 5:]
-    free = stock(model, one, max_new_tokens=30)[0, one.shape[1]:]
-    eos = int(free[9])  # EOS inside an 8-token draft
-    reference = model.base_model.generate(one, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos)
-    out = model.generate(one, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos,
-                         oda_mode="exact", max_draft=8, verify_threshold=math.inf, oda_fast=True)
-    assert torch.equal(out, reference)
-    for new in (1, 5, 7, 13):  # the cap inside a draft
-        assert torch.equal(exact(model, one, max_new_tokens=new, max_draft=8, verify_threshold=math.inf,
-                                 oda_fast=True), stock(model, one, max_new_tokens=new))
 
 
 def test_engine_sampling_follows_the_transformers_path():
