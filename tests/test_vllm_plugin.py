@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from oda_hf import OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
+from oda_hf import BudgetPolicy, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.environ.get("ODA_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
@@ -120,6 +120,7 @@ def gqa3(tmp_path_factory):
         "head": [request(ids, policy="head", threshold=0.0) for ids in long],
         "random": [request(long[5], policy="random:0.4:7"), request(long[6], policy="random:0.3")],
         "schedule": [request(long[5], policy="schedule:2:4"), request(long[6], policy="schedule:1:3")],
+        "budget": [request(ids, policy="budget:0.3:0.0") for ids in long[4:]],
         "mixed": [request(long[6], policy="local"), request(long[5], policy="full"),
                   request(long[4], policy="head", threshold=0.0), request(long[3], policy="schedule:2:4")],
         "bad_policy": [request(long[0], policy="sometimes")],
@@ -196,6 +197,21 @@ def test_random_and_schedule_match_transformers_path(gqa3):
         decided = (~routing.in_window[0]).tolist()
         theirs = [d and keep for d, keep in zip(routing.decisions[0].tolist(), decided)]
         assert ours["routing"]["decisions"] == theirs
+
+
+def test_budget_matches_transformers_path_and_holds(gqa3):
+    """budget:0.3 (head at threshold 0): the decisions and tokens of `BudgetPolicy(0.3, 0.0)` on the Transformers
+    path, and at every decided step the request's Full calls stay within 30% of its decided steps."""
+    limited = 0
+    for ids, ours in zip(gqa3["long"][4:], gqa3["oda"]["budget"]["outputs"]):
+        tokens, routing = hf_generate(gqa3["model"], gqa3["head"], ids, 12, BudgetPolicy(0.3, 0.0), threshold=0.0)
+        decided = (~routing.in_window[0]).tolist()
+        theirs = [d and keep for d, keep in zip(routing.decisions[0].tolist(), decided)]
+        assert ours["routing"]["decisions"] == theirs and ours["tokens"] == tokens
+        calls = [d for d, keep in zip(ours["routing"]["decisions"], decided) if keep]
+        assert all(sum(calls[:n]) <= 0.3 * n + 1e-9 for n in range(1, len(calls) + 1))
+        limited += sum(calls) < sum(1 for q in ours["routing"]["scores"] if q is not None and q > 0)
+    assert limited, "the budget never held the head back: the test would not see a budget that does not hold"
 
 
 def test_mixed_policies_in_one_batch_equal_each_request_alone(gqa3):

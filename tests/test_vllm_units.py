@@ -22,6 +22,8 @@ DEFAULT = RequestRouting(policy="head", threshold=0.2)
     ({"oda_policy": "random:0.25"}, RequestRouting("random", 0.2, p=0.25, seed=42)),
     ({"oda_policy": "random:1:7"}, RequestRouting("random", 0.2, p=1.0, seed=7)),
     ({"oda_policy": "schedule:2:16"}, RequestRouting("schedule", 0.2, k=2, period=16)),
+    ({"oda_policy": "budget:0.25"}, RequestRouting("budget", 0.2, p=0.25)),
+    ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 1}, RequestRouting("budget", 0.5, p=0.25)),
 ])
 def test_request_knobs(extra, expected):
     assert request_routing(extra, DEFAULT) == expected
@@ -36,7 +38,7 @@ def test_request_knobs(extra, expected):
     ({"oda_policy": "schedule:3:2"}, "schedule:K` must be an integer >= 0 and <= 2"),
     ({"oda_policy": "schedule:2.9:4"}, "integer"),
     ({"oda_policy": 5}, "must be a string"),
-    ({"oda_policy": "budget:0.25"}, "budget policies are not served by the vLLM plugin yet"),
+    ({"oda_policy": "budget:1.5"}, ">= 0 and <= 1"),
     ({"oda_threshold": "nan"}, "finite"),
     ({"oda_threshold": "high"}, "must be a number"),
     ({"oda_threshold": True}, "must be a finite number"),
@@ -54,6 +56,17 @@ def test_schedule_and_random_decisions():
     random = RequestState(RequestRouting("random", p=0.5, seed=7))
     assert [random.predecided(step) for step in range(1, 7)] == (draws < 0.5).tolist()
     assert RequestState(RequestRouting("head")).predecided(1) is None
+
+
+def test_budget_holds_at_every_decided_step():
+    """The head asks at every step; the budget lets through exactly the calls with calls + 1 <= rate * n."""
+    state = RequestState(RequestRouting("budget", p=0.3))
+    assert state.predecided(1) is None  # the head decides
+    for _ in range(20):
+        state.record(state.within_budget(), 1.0)
+    calls = [sum(state.decisions[:n]) for n in range(1, 21)]
+    assert all(c <= 0.3 * n + 1e-9 for n, c in zip(range(1, 21), calls)) and calls[-1] == 6
+    assert RequestState(RequestRouting("head")).within_budget()
 
 
 def test_summary_is_json_safe():

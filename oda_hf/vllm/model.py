@@ -119,7 +119,8 @@ class OdaCausalLMMixin:
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
         thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
-        recall = ((scores > thresholds) | ~torch.isfinite(scores)).tolist()
+        asks = ((scores > thresholds) | ~torch.isfinite(scores)).tolist()
+        recall = [ask and state.within_budget() for ask, state in zip(asks, states)]  # budget: calls within the rate
         for state, score, full in zip(states, scores.tolist(), recall):
             state.record(bool(full), score)
         retry_rows = [row for row, full in zip(head_rows, recall) if full]

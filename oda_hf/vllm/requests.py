@@ -2,8 +2,9 @@
 
 A request picks its routing with ``SamplingParams.extra_args`` (in the OpenAI API: ``vllm_xargs``):
 
-* ``oda_policy``: ``head`` | ``full`` | ``local`` | ``random:P[:SEED]`` | ``schedule:K:PERIOD`` (default: the
-  engine's, normally ``head``);
+* ``oda_policy``: ``head`` | ``full`` | ``local`` | ``random:P[:SEED]`` | ``schedule:K:PERIOD`` |
+  ``budget:RATE[:THRESHOLD]`` (the head under a Full-call budget that holds for the request, as
+  `oda_hf.BudgetPolicy`) (default: the engine's, normally ``head``);
 * ``oda_threshold``: the head's threshold theta for this request (default: the engine's).
 
 `OdaRequestValidator` checks them when a request is admitted (vLLM runs every logits processor's
@@ -28,9 +29,9 @@ FINISHED_KEPT = 100_000  # finished requests whose routing records the worker ke
 class RequestRouting:
     """One request's routing rule."""
 
-    policy: str = "head"            # head | full | local | random | schedule
+    policy: str = "head"            # head | full | local | random | schedule | budget
     threshold: float = 0.0
-    p: float = 0.0                  # random
+    p: float = 0.0                  # random: the probability; budget: the rate
     seed: int = 42                  # random
     k: int = 0                      # schedule
     period: int = 1                 # schedule
@@ -41,6 +42,8 @@ class RequestRouting:
             return f"random:{self.p:g}:{self.seed}"
         if self.policy == "schedule":
             return f"schedule:{self.k}:{self.period}"
+        if self.policy == "budget":
+            return f"budget:{self.p:g}"
         return self.policy
 
 
@@ -58,15 +61,15 @@ def _number(value, name: str) -> float:
 
 
 def parse_policy(text, threshold: float) -> RequestRouting:
-    """'head', 'full', 'local', 'random:P[:SEED]' or 'schedule:K:PERIOD' as a `RequestRouting` (ValueError if not)."""
+    """'head', 'full', 'local', 'random:P[:SEED]', 'schedule:K:PERIOD' or 'budget:RATE[:THRESHOLD]' as a
+    `RequestRouting` (ValueError if not). A budget's own threshold wins over `threshold`."""
     try:
         spec = parse_policy_text(text)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{POLICY_KEY}: {err}") from None
-    if spec.kind == "budget":  # its per-row counters live in the Transformers path's policy object
-        raise ValueError(f"{POLICY_KEY} {text!r}: budget policies are not served by the vLLM plugin yet; use head, "
-                         "full, local, random:P[:SEED] or schedule:K:PERIOD.")
     params = {key: getattr(spec, key) for key in ("p", "seed", "k", "period") if getattr(spec, key) is not None}
+    if spec.kind == "budget" and spec.threshold is not None:
+        threshold = spec.threshold
     return RequestRouting(policy=spec.kind, threshold=threshold, **params)
 
 
@@ -108,6 +111,13 @@ class RequestState:
         self.full_calls += int(full)
         self.decisions.append(bool(full))
         self.scores.append(float(score))
+
+    def within_budget(self) -> bool:
+        """Whether a Full call at the next decided step keeps the request within its budget (always, unless the
+        policy is ``budget``): ``calls + 1 <= rate * n`` at its ``n``-th decided step, as `oda_hf.BudgetPolicy`."""
+        if self.routing.policy != "budget":
+            return True
+        return self.full_calls + 1 <= self.routing.p * (self.decided_steps + 1) + 1e-9
 
     def predecided(self, step: int) -> bool | None:
         """The decision for routed `step` (1-based) when it does not depend on the head, else None.

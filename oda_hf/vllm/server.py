@@ -140,7 +140,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
     parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
-                        "schedule:K:PERIOD (a request may set its own)")
+                        "schedule:K:PERIOD | budget:RATE[:THRESHOLD] (a request may set its own)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)

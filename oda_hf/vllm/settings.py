@@ -47,8 +47,8 @@ class ServingSettings:
         if policy is None:
             policy = routing.policy if head is not None else "local"
         default = parse_policy(policy, routing.threshold)
-        if default.policy == "head" and head is None:
-            raise ValueError("policy 'head' needs a recall head: pass head=<folder> (or policy full/local/random/"
+        if default.policy in ("head", "budget") and head is None:
+            raise ValueError(f"policy {default.policy!r} needs a recall head: pass head=<folder> (or policy full/local/random/"
                              "schedule for a baseline without one).")
         return cls(head=head, sinks=routing.sinks, window=routing.window, default_routing=default)
 
