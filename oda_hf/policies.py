@@ -175,7 +175,8 @@ class BudgetPolicy(RoutingPolicy):
     ``calls + 1 <= rate * n``, so its Full-call rate never exceeds ``rate`` at any point of the request, whatever
     its length or where it stops. The cost of the guarantee: early steps cannot spend budget not yet earned, and
     a non-finite score is Local when the budget is spent. ``threshold=None`` takes the routing threshold
-    (`OdaConfig.threshold`). The HF path and the vLLM plugin (`oda_policy="budget:R"`); not the static engine (its captured step has no per-row counters).
+    (`OdaConfig.threshold`). The HF path and the vLLM plugin (`oda_policy="budget:R"`); not the static engine
+    (its captured step has no per-row counters).
     """
 
     name = "budget"
