@@ -1,7 +1,7 @@
-"""The SmolLM2 recall head shipped in the package: complete, calibrated on dev, loadable by its short name.
+"""The recall heads shipped in the package: complete, calibrated on dev, loadable by their short names.
 
-SmolLM2 itself is not downloaded here: a random model with SmolLM2's shapes (one layer) stands in for it, which
-checks that the head attaches and routes; its quality is measured in benchmarks/results/smollm2.
+The bases are not downloaded here: a random model with the base's shapes (one layer) stands in for each, which
+checks that the head attaches and routes; their quality is measured in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -15,34 +15,42 @@ import torch
 from oda_hf import OdaForCausalLM, RecallHead
 from oda_hf.known_models import resolve_head
 
-HEAD = resolve_head("smollm2")
+# name: (hidden size, vocabulary, sinks, window, the first test length of its card's table)
+SHIPPED = {"smollm2": (576, 49152, 4, 256, 2048)}
+shipped = pytest.mark.parametrize("name", sorted(SHIPPED))
 
 
-def test_shipped_head_is_complete_and_names_its_base():
-    for name in ("config.json", "model.safetensors", "oda_config.json", "calibration.json", "README.md"):
-        assert os.path.isfile(os.path.join(HEAD, name)), name
-    head = RecallHead.from_pretrained(HEAD)
-    assert head.config.base_model_name_or_path == "smollm2" and head.config.base_fingerprint.startswith("sha256:")
-    assert (head.config.hidden_size, head.config.base_vocab_size) == (576, 49152)
-    assert (head.config.sinks, head.config.window) == (4, 256)
+@shipped
+def test_shipped_head_is_complete_and_names_its_base(name):
+    folder = resolve_head(name)
+    for file in ("config.json", "model.safetensors", "oda_config.json", "calibration.json", "README.md"):
+        assert os.path.isfile(os.path.join(folder, file)), file
+    head = RecallHead.from_pretrained(folder)
+    hidden, vocab, sinks, window, _ = SHIPPED[name]
+    assert head.config.base_model_name_or_path == name and head.config.base_fingerprint.startswith("sha256:")
+    assert (head.config.hidden_size, head.config.base_vocab_size) == (hidden, vocab)
+    assert (head.config.sinks, head.config.window) == (sinks, window)
     assert all(torch.isfinite(p).all() for p in head.parameters())
 
 
-def test_shipped_threshold_is_the_dev_calibration_and_the_card_quotes_it():
-    with open(os.path.join(HEAD, "calibration.json")) as f:
+@shipped
+def test_shipped_threshold_is_the_dev_calibration_and_the_card_quotes_it(name):
+    folder = resolve_head(name)
+    with open(os.path.join(folder, "calibration.json")) as f:
         calibration = json.load(f)
-    with open(os.path.join(HEAD, "oda_config.json")) as f:
+    with open(os.path.join(folder, "oda_config.json")) as f:
         routing = json.load(f)
     assert calibration["split"] == "dev" and routing["policy"] == "head"
     assert routing["threshold"] == calibration["chosen"]["threshold"]
     assert calibration["chosen"] in calibration["sweep"]
-    card = open(os.path.join(HEAD, "README.md"), encoding="utf-8").read()
+    card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
     assert f"theta = {routing['threshold']:g}" in card and "Held-out RULER test split" in card
-    assert "| **macro** | 2048 |" in card
+    assert f"| **macro** | {SHIPPED[name][4]} |" in card
 
 
-def test_shipped_head_round_trips_bit_exact(tmp_path):
-    head = RecallHead.from_pretrained(HEAD)
+@shipped
+def test_shipped_head_round_trips_bit_exact(tmp_path, name):
+    head = RecallHead.from_pretrained(resolve_head(name))
     head.save_pretrained(tmp_path)
     again = RecallHead.from_pretrained(tmp_path)
     for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
@@ -63,7 +71,7 @@ def smollm2_shaped_base():
 def test_short_names_attach_the_shipped_head_with_its_threshold(smollm2_shaped_base, caplog):
     model = OdaForCausalLM.from_pretrained(smollm2_shaped_base, head="smollm2")
     assert "weights" in caplog.text.lower()  # a base with other weights than the head's is named in a warning
-    with open(os.path.join(HEAD, "oda_config.json")) as f:
+    with open(os.path.join(resolve_head("smollm2"), "oda_config.json")) as f:
         assert model.oda_config.threshold == json.load(f)["threshold"]
     assert (model.oda_config.sinks, model.oda_config.window) == (4, 256)
     ids = torch.randint(0, 49152, (1, 300))
