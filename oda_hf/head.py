@@ -129,7 +129,9 @@ class RecallHeadConfig(PretrainedConfig):
             kwargs.setdefault("base_fingerprint", base_fingerprint(base))
         text = config.get_text_config(decoder=True)
         name = getattr(config, "_name_or_path", None) or (base if isinstance(base, str) else None)
-        kwargs.setdefault("base_model_name_or_path", name)
+        from .known_models import short_name_of  # a fetched base is recorded by its short name, not this machine's path
+
+        kwargs.setdefault("base_model_name_or_path", short_name_of(name) or name)
         return cls(hidden_size=text.hidden_size, base_vocab_size=text.vocab_size, **kwargs)
 
     def check_compatible(self, base_config) -> None:

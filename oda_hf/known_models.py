@@ -498,6 +498,16 @@ BASE_NAMES = ("organism", *FETCHABLE)
 HEAD_NAMES = ("organism", "smollm2")
 
 
+def short_name_of(path) -> str | None:
+    """The short base name whose local folder `path` is (``--base gemma3-270m`` resolves to it), else None."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return None
+    real = os.path.realpath(path)
+    folders = {"organism": organism_dir("backbone")}
+    folders |= {name: fetched_folder(spec) for name, spec in FETCHABLE.items()}
+    return next((name for name, folder in folders.items() if folder and os.path.realpath(folder) == real), None)
+
+
 def resolve_base(name, cache_dir: str | os.PathLike | None = None):
     """A short base name (``organism``, ``smollm2``, ``gemma3-270m``, ...) as its local folder; anything else unchanged.
 

@@ -233,3 +233,17 @@ def test_a_head_recording_a_short_base_name_loads_alone(tmp_path):
     head.save_pretrained(tmp_path / "head")
     model = OdaForCausalLM.from_pretrained(str(tmp_path / "head"))
     assert model.config.vocab_size == head.config.base_vocab_size and model.recall_head is not None
+
+
+def test_a_head_records_a_fetched_base_by_its_short_name(tmp_path):
+    """`--base NAME` resolves to this machine's folder; a head made for it records NAME, never the path."""
+    from transformers import AutoConfig
+
+    from oda_hf import RecallHeadConfig
+    from oda_hf.known_models import organism_dir, short_name_of
+
+    config = AutoConfig.from_pretrained(organism_dir("backbone"))
+    assert short_name_of(organism_dir("backbone")) == "organism" and short_name_of(str(tmp_path)) is None
+    assert RecallHeadConfig.for_base(config).base_model_name_or_path == "organism"
+    config._name_or_path = str(tmp_path)
+    assert RecallHeadConfig.for_base(config).base_model_name_or_path == str(tmp_path)

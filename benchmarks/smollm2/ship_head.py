@@ -46,13 +46,23 @@ BASES = {
 def check_head(head: str, name: str) -> tuple[dict, dict]:
     with open(os.path.join(head, "config.json")) as f:
         config = json.load(f)
-    if config.get("base_model_name_or_path") != name or not config.get("base_fingerprint"):
+    if config.get("base_model_name_or_path") not in (name, _fetched_folder(name)) or not config.get("base_fingerprint"):
         raise SystemExit(f"{head}: the shipped head must record base {name!r} and its base_fingerprint.")
     path = os.path.join(head, "calibration.json")
     if not os.path.exists(path):
         raise SystemExit(f"{head} has no calibration.json: run `oda calibrate` on the dev split first.")
     with open(path) as f:
         return config, json.load(f)
+
+
+def _fetched_folder(name: str) -> str | None:
+    """The local folder `oda fetch NAME` wrote (what `--base NAME` resolves to and train-head records)."""
+    from oda_hf.known_models import resolve_base
+
+    try:
+        return os.fspath(resolve_base(name))
+    except FileNotFoundError:
+        return None
 
 
 def training_text(head: str, calibration: dict, name: str) -> str:
@@ -95,10 +105,16 @@ def ship(head: str, folders: list[str], diagnose: str | None, out: str, name: st
     from oda_hf.model_card import write_head_model_card
 
     _, calibration = check_head(head, name)
-    os.makedirs(out, exist_ok=True)
-    for name in HEAD_FILES:
-        shutil.copy2(os.path.join(head, name), os.path.join(out, name))
-    model = RecallHead.from_pretrained(out)
+    model = RecallHead.from_pretrained(head)
+    model.config.base_model_name_or_path = name  # the short name, never this machine's cache folder
+    model.save_pretrained(out)  # config.json and model.safetensors (saving may replace the folder whole)
+    for file in HEAD_FILES[2:]:  # then the routing default, the calibration and the training record beside them
+        shutil.copy2(os.path.join(head, file), os.path.join(out, file))
+    with open(os.path.join(out, "oda_training.json")) as f:
+        record = json.load(f)
+    record["settings"]["base_model"] = name
+    with open(os.path.join(out, "oda_training.json"), "w") as f:
+        json.dump(record, f, indent=2)
     write_head_model_card(model, out, extra={
         "training": training_text(head, calibration, name),
         "evaluation": evaluation_text(folders, diagnose, calibration["chosen"]["threshold"], name)})
