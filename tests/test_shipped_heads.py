@@ -16,7 +16,7 @@ from oda_hf import OdaForCausalLM, RecallHead
 from oda_hf.known_models import resolve_head
 
 # name: (hidden size, vocabulary, sinks, window, the first test length of its card's table)
-SHIPPED = {"smollm2": (576, 49152, 4, 256, 2048)}
+SHIPPED = {"smollm2": (576, 49152, 4, 256, 2048), "gemma3-270m": (640, 262144, 4, 512, 4096)}
 shipped = pytest.mark.parametrize("name", sorted(SHIPPED))
 
 
@@ -77,4 +77,24 @@ def test_short_names_attach_the_shipped_head_with_its_threshold(smollm2_shaped_b
     ids = torch.randint(0, 49152, (1, 300))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 304)
+    assert model.routing.scores.shape[1] == 3 and torch.isfinite(model.routing.scores).all()
+
+
+def test_the_gemma_head_attaches_to_a_gemma_shaped_hybrid(caplog):
+    """Gemma 3 270M's shapes (one global and one sliding layer here): the head attaches by its short name and
+    routes past s + w = 516 with its calibrated threshold."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=32768)
+    base = Gemma3ForCausalLM(config).eval()
+    model = OdaForCausalLM.from_pretrained(base, head="gemma3-270m")
+    with open(os.path.join(resolve_head("gemma3-270m"), "oda_config.json")) as f:
+        assert model.oda_config.threshold == json.load(f)["threshold"]
+    assert (model.oda_config.sinks, model.oda_config.window) == (4, 512)
+    ids = torch.randint(0, 262144, (1, 530))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 534)
     assert model.routing.scores.shape[1] == 3 and torch.isfinite(model.routing.scores).all()
