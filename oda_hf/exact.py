@@ -358,8 +358,7 @@ class EngineDrafts:
 def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
                 row: int, engine=None) -> list[int]:
     if engine is not None:
-        logits = engine.prefill(prompt[None])
-        del logits  # the first token comes from the selected hidden state, as on the Transformers path
+        engine.prefill(prompt[None])  # its logits are not used: the first token comes from the hidden state, as below
         drafts = EngineDrafts(engine)
         last_hidden = engine.state.selected_hidden.clone()
     else:

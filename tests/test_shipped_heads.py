@@ -57,44 +57,35 @@ def test_shipped_head_round_trips_bit_exact(tmp_path, name):
         assert torch.equal(a, b), name
 
 
-@pytest.fixture(scope="module")
-def smollm2_shaped_base():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def shaped_base(name: str):
+    """A random one- or two-layer model with the base's shapes (Gemma: one sliding and one global layer)."""
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         tie_word_embeddings=True, rope_theta=1e5)
-    return LlamaForCausalLM(config).eval()
+    if name == "smollm2":
+        config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
+                                          head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+                                          rope_theta=1e5)
+        return transformers.LlamaForCausalLM(config).eval()
+    config = transformers.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                           head_dim=256, sliding_window=512, max_position_embeddings=32768,
+                                           layer_types=["sliding_attention", "full_attention"])
+    return transformers.Gemma3ForCausalLM(config).eval()
 
 
-def test_short_names_attach_the_shipped_head_with_its_threshold(smollm2_shaped_base, caplog):
-    model = OdaForCausalLM.from_pretrained(smollm2_shaped_base, head="smollm2")
+@shipped
+def test_short_names_attach_the_shipped_head_with_its_threshold(name, caplog):
+    """The head attaches by its short name to a base of its shapes and routes past s + w with its threshold."""
+    _, vocab, sinks, window, _ = SHIPPED[name]
+    model = OdaForCausalLM.from_pretrained(shaped_base(name), head=name)
     assert "weights" in caplog.text.lower()  # a base with other weights than the head's is named in a warning
-    with open(os.path.join(resolve_head("smollm2"), "oda_config.json")) as f:
+    with open(os.path.join(resolve_head(name), "oda_config.json")) as f:
         assert model.oda_config.threshold == json.load(f)["threshold"]
-    assert (model.oda_config.sinks, model.oda_config.window) == (4, 256)
-    ids = torch.randint(0, 49152, (1, 300))
+    assert (model.oda_config.sinks, model.oda_config.window) == (sinks, window)
+    length = sinks + window + 14
+    ids = torch.randint(0, vocab, (1, length))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 304)
-    assert model.routing.scores.shape[1] == 3 and torch.isfinite(model.routing.scores).all()
-
-
-def test_the_gemma_head_attaches_to_a_gemma_shaped_hybrid(caplog):
-    """Gemma 3 270M's shapes (one global and one sliding layer here): the head attaches by its short name and
-    routes past s + w = 516 with its calibrated threshold."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=32768)
-    base = Gemma3ForCausalLM(config).eval()
-    model = OdaForCausalLM.from_pretrained(base, head="gemma3-270m")
-    with open(os.path.join(resolve_head("gemma3-270m"), "oda_config.json")) as f:
-        assert model.oda_config.threshold == json.load(f)["threshold"]
-    assert (model.oda_config.sinks, model.oda_config.window) == (4, 512)
-    ids = torch.randint(0, 262144, (1, 530))
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 534)
+    assert out.shape == (1, length + 4)
     assert model.routing.scores.shape[1] == 3 and torch.isfinite(model.routing.scores).all()
