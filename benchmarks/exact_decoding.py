@@ -212,6 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/exact_smollm2")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.backends) - {"hf", "engine"})
+    if unknown or not args.backends:
+        parser.error(f"--backends takes hf and/or engine, comma-separated; got {','.join(args.backends)!r}.")
     rows = run(args)
     from oda_hf.files import write_json, write_text
 

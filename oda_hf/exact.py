@@ -338,14 +338,13 @@ class EngineDrafts:
     def draft(self, token: int, position: int, use_head: bool):
         if position != self.engine.length:
             raise RuntimeError(f"Draft at position {position}, but the engine holds {self.engine.length} positions.")
-        hidden, score = self.engine.draft_step(token, use_head)
-        return hidden, score
+        return self.engine.draft_step(token, use_head)
 
     def accept(self, hidden: torch.Tensor) -> None:
         self.engine.accept_draft()
 
     def reject(self) -> None:
-        pass  # the draft wrote only the workspace's current slot, which the next step overwrites
+        """Nothing to undo: the draft wrote only the workspace's current slot, which the next step overwrites."""
 
     def verify(self, tokens: list[int], start: int) -> torch.Tensor:
         return self.engine.verify(torch.tensor(tokens, dtype=torch.long), start)

@@ -101,6 +101,7 @@ def evaluation_text(folders: list[str], diagnose: str | None, threshold: float, 
 
 
 def ship(head: str, folders: list[str], diagnose: str | None, out: str, name: str = "smollm2") -> str:
+    from oda_hf.files import write_json
     from oda_hf.head import RecallHead
     from oda_hf.model_card import write_head_model_card
 
@@ -113,8 +114,7 @@ def ship(head: str, folders: list[str], diagnose: str | None, out: str, name: st
     with open(os.path.join(out, "oda_training.json")) as f:
         record = json.load(f)
     record["settings"]["base_model"] = name
-    with open(os.path.join(out, "oda_training.json"), "w") as f:
-        json.dump(record, f, indent=2)
+    write_json(os.path.join(out, "oda_training.json"), record, indent=2)  # atomic: never a half-written record
     write_head_model_card(model, out, extra={
         "training": training_text(head, calibration, name),
         "evaluation": evaluation_text(folders, diagnose, calibration["chosen"]["threshold"], name)})
