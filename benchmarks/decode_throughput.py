@@ -63,23 +63,46 @@ DEFAULT_METHODS = ("native-dynamic,native-static,native-compiled,oda-full,stream
                    "engine-full,engine-12.5")
 BASELINE = "native-static"
 
-# Qwen3-0.6B published shapes (speed does not depend on weight values).
+# Published shapes (speed does not depend on weight values): (transformers config class, its arguments).
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+# Qwen2.5-Coder-0.5B-Instruct: every layer full attention, untied output head.
+QWEN2_5_CODER_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=False)
+# Gemma 3 270M: window-global hybrid (sliding window 512, a global layer every 6th), tied 262K vocabulary.
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                   layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+                   tie_word_embeddings=True)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
-MODEL_NAMES = {"qwen3-0.6b": "Qwen3-0.6B shapes (random weights)", "tiny": "tiny shapes",
-               "smollm2": "SmolLM2-135M-Instruct (real weights)"}
+TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=16,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True)
+SHAPES = {"qwen3-0.6b": ("Qwen3", QWEN3_0_6B), "qwen2.5-coder-0.5b": ("Qwen2", QWEN2_5_CODER_0_5B),
+          "gemma3-270m": ("Gemma3Text", GEMMA3_270M), "tiny": ("Qwen3", TINY), "tiny-hybrid": ("Gemma3Text", TINY_HYBRID)}
+MODEL_NAMES = {"qwen3-0.6b": "Qwen3-0.6B shapes (random weights)",
+               "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B shapes (random weights)",
+               "gemma3-270m": "Gemma 3 270M shapes (random weights; window-global hybrid)", "tiny": "tiny shapes",
+               "tiny-hybrid": "tiny window-global hybrid shapes", "smollm2": "SmolLM2-135M-Instruct (real weights)"}
 
 
-def build_model(shape: dict, dtype: torch.dtype, seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def shape_config(name: str):
+    """The transformers config of a published shape (by `SHAPES` name)."""
+    import transformers
 
-    config = Qwen3Config(**shape, max_position_embeddings=1 << 20)
+    family, shape = SHAPES[name]
+    return getattr(transformers, f"{family}Config")(**shape, max_position_embeddings=1 << 20)
+
+
+def build_model(name: str, dtype: torch.dtype, seed: int):
+    import transformers
+
+    config = shape_config(name)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)  # random weights: values do not affect speed
+    model_class = getattr(transformers, f"{SHAPES[name][0].removesuffix('Text')}ForCausalLM")
+    model = model_class(config).to(dtype)  # random weights: values do not affect speed
     return model.eval()
 
 
@@ -90,7 +113,7 @@ def model_name(args) -> str:
 def load_model(name: str, dtype: torch.dtype, seed: int):
     """The benchmark's model: random weights in published shapes, or the fetched SmolLM2."""
     if name in SHAPES:
-        return build_model(SHAPES[name], dtype, seed)
+        return build_model(name, dtype, seed)
     from transformers import AutoModelForCausalLM
 
     from oda_hf.known_models import resolve_base
@@ -100,9 +123,7 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
 
 def model_config(name: str):
     if name in SHAPES:
-        from transformers import Qwen3Config
-
-        return Qwen3Config(**SHAPES[name])
+        return shape_config(name)
     from transformers import AutoConfig
 
     from oda_hf.known_models import resolve_base
@@ -110,15 +131,17 @@ def model_config(name: str):
     return AutoConfig.from_pretrained(resolve_base(name))
 
 
-def synthetic_history(model, length: int, seed: int):
-    """Random KV per layer, generated one layer at a time (the caller stores it straight away)."""
+def synthetic_history(model, length: int, seed: int, device: torch.device | None = None):
+    """Random KV per layer, generated one layer at a time (the caller stores it straight away), on `device`
+    (drawing 32K positions x 28 layers on the host and copying them over takes longer than the measurement)."""
     config = model.config
-    generator = torch.Generator().manual_seed(seed + 1)
+    device = device or torch.device("cpu")
+    generator = torch.Generator(device=device).manual_seed(seed + 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (1, config.num_key_value_heads, length, head_dim)
     for _ in range(config.num_hidden_layers):
-        keys = torch.randn(shape, generator=generator).to(model.dtype)
-        values = torch.randn(shape, generator=generator).to(model.dtype)
+        keys = torch.randn(shape, generator=generator, device=device).to(model.dtype)
+        values = torch.randn(shape, generator=generator, device=device).to(model.dtype)
         yield keys, values
 
 
@@ -144,21 +167,28 @@ def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_
     return engine, captured, time.perf_counter() - start
 
 
-def stock_step(model, kind: str, length: int, max_length: int, history):
-    """One decode step of the stock model on a filled cache of `kind` (dynamic, static or compiled static)."""
+def stock_step(model, kind: str, length: int, max_length: int, history, device: torch.device | None = None):
+    """One decode step of the stock model on a filled cache of `kind` (dynamic, static or compiled static).
+    On CUDA the compiled arm is what transformers recommends for fast static-cache decoding: `torch.compile`
+    with mode="reduce-overhead" (inductor kernels replayed as CUDA graphs)."""
     from transformers import DynamicCache, StaticCache
 
+    device = device or torch.device("cpu")
     if kind == "dynamic":
         cache = DynamicCache(config=model.config)
     else:
         cache = StaticCache(config=model.config, max_cache_len=max_length)
     for layer, (keys, values) in zip(cache.layers, history):
         layer.update(keys, values)
-    forward = torch.compile(model, dynamic=False) if kind == "compiled" else model
+    if kind == "compiled":
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        forward = torch.compile(model, dynamic=False, mode=mode)
+    else:
+        forward = model
     positions = itertools.count(length)
 
     def step(token):  # cache_position as a tensor, as generate() passes it: no recompilation per step
-        cache_position = torch.tensor([next(positions)])
+        cache_position = torch.tensor([next(positions)], device=device)
         return forward(input_ids=token, past_key_values=cache, cache_position=cache_position, use_cache=True).logits
 
     return step

@@ -1,12 +1,14 @@
-"""Decode throughput of the static engine (oda_hf.engine) against the HF path and native Full.
+"""Decode throughput of the static engine (oda_hf.engine) against the HF path and stock decoding.
 
-GPU SPEED WAS NOT MEASURED IN THIS PROJECT: there is no GPU here. The ``--device cuda`` mode (CUDA
-graphs with a conditional Full node, Triton kernels) is written for a user with a GPU to produce the
-paper-style table (App. B.8: native Full vs ODA schedules); only the CPU mode was run here, and only
-at tiny sizes.
+GPU: run once on an H200 with torch 2.11 (benchmarks/results/gpu_h200_torch2.11.md): the stock and HF-path arms
+ran; the engine's CUDA graphs need torch >= 2.13 (conditional nodes), so its GPU speed is still unmeasured.
 
 Methods, all on the same synthetic history and the same continuation (produced by native-full):
   native-full        stock transformers forward + DynamicCache (eager; the reference everywhere)
+  native-static      stock forward, StaticCache (eager)
+  native-compiled    stock forward, StaticCache, torch.compile (on CUDA mode="reduce-overhead": CUDA graphs, the
+                     fastest stock decoding a transformers user gets)
+  hf-oda-{full,local}  OdaForCausalLM (HF path), always Full / always Local (StreamingLLM)
   hf-oda-{12.5,25,50}  OdaForCausalLM, the HF path, Full on the first 2/4/8 of every 16 routed steps
   engine-full        OdaStaticEngine, always Full (Local skipped): the engine's own Full baseline
                      (with graphs on CUDA, the fair "native Full" of a graph-captured runtime)
@@ -23,6 +25,7 @@ Usage:
   python benchmarks/engine_throughput.py                              # CPU, Qwen3-0.6B shapes, 4K-32K, fp32
   python benchmarks/engine_throughput.py --tiny --lengths 256,1024     # seconds
   python benchmarks/engine_throughput.py --device cuda                # GPU: bf16, graphs, Triton kernels
+  python benchmarks/engine_throughput.py --device cuda --model gemma3-270m   # hybrid: stock and HF-path arms
 """
 
 from __future__ import annotations
@@ -40,13 +43,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_throughput  # noqa: E402
 from decode_throughput import (  # noqa: E402
-    MODEL_NAMES, PERIOD, add_shared_arguments, load_model, model_name, start_engine, synthetic_history)
+    MODEL_NAMES, PERIOD, add_shared_arguments, load_model, model_name, start_engine, stock_step, synthetic_history)
 
 SCHEDULES = {"12.5": 2, "25": 4, "50": 8}
-METHODS = ["native-full", *(f"hf-oda-{r}" for r in SCHEDULES), "engine-full", "engine-local",
+STOCK = {"native-full": "dynamic", "native-static": "static", "native-compiled": "compiled"}
+METHODS = [*STOCK, "hf-oda-full", "hf-oda-local", *(f"hf-oda-{r}" for r in SCHEDULES), "engine-full", "engine-local",
            *(f"engine-{r}" for r in SCHEDULES)]
 DEFAULT_METHODS = {"cpu": "native-full,hf-oda-12.5,engine-full,engine-12.5,engine-25,engine-50",
-                   "cuda": "native-full,engine-full,engine-local,engine-12.5,engine-25,engine-50"}
+                   "cuda": "native-full,native-static,native-compiled,engine-full,engine-local,engine-12.5,engine-25,"
+                           "engine-50"}
+# Hybrids (Gemma) have no static engine: the HF path's arms instead.
+HYBRID_METHODS = "native-full,native-static,native-compiled,hf-oda-full,hf-oda-local,hf-oda-12.5,hf-oda-25,hf-oda-50"
 
 
 def _routing(method: str):
@@ -66,33 +73,29 @@ def _sync(device: torch.device) -> None:
 
 def worker(args) -> dict:
     """One (length, method): load the history, decode warm-up + measured segments, report timings."""
-    from transformers import DynamicCache
-
     from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
-    from oda_hf.compat import cache_kwargs
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = load_model(model_name(args), dtype, args.seed).to(device)
+    with device:  # random initialisation on the GPU takes a fraction of the host's time
+        model = load_model(model_name(args), dtype, args.seed).to(device)
     steps_total = (1 + args.runs) * args.steps
     generator = torch.Generator().manual_seed(args.seed + 2)
     last_hidden = torch.randn(1, model.config.hidden_size, generator=generator).to(device, dtype)
     first_token = int(torch.randint(model.config.vocab_size, (1,), generator=generator))
     continuation = json.loads(args.continuation) if args.continuation else None
-    history = ((k.to(device), v.to(device)) for k, v in synthetic_history(model, args.length, args.seed))
+    history = synthetic_history(model, args.length, args.seed, device)
     produces_continuation = args.method == "native-full"
     if not produces_continuation and continuation is None:
         raise SystemExit(f"{args.method} needs the continuation produced by native-full.")
 
     engine = oda = None
-    if args.method == "native-full":
-        cache = DynamicCache(config=model.config)
-        for layer, (keys, values) in zip(cache.layers, history):
-            layer.update(keys, values)
+    if args.method in STOCK:
+        stock = stock_step(model, STOCK[args.method], args.length, args.length + steps_total + 1, history, device)
 
         def step(token):
-            return model(input_ids=token.view(1, 1), **cache_kwargs(cache), use_cache=True).logits[:, -1]
+            return stock(token.view(1, 1))[:, -1]
     else:
         policy, needs_head = _routing(args.method)
         head = RecallHead(RecallHeadConfig.for_base(model)).to(device) if needs_head else None
@@ -148,15 +151,17 @@ def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
 
 def format_table(rows: list[dict], device: str) -> str:
     memory = "Peak CUDA (GB)" if device == "cuda" else "Peak RSS (GB)"
-    lines = [f"| Input tokens | Method | Full (%) | tok/s (median) | vs native-full | vs engine-full | {memory} |",
-             "|---:|:---|---:|---:|---:|---:|---:|"]
+    lines = [f"| Input tokens | Method | Full (%) | tok/s (median) | ms/token | vs native-full | vs best stock "
+             f"| vs engine-full | {memory} |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = row.get("full_call_rate")
         full_pct = "100.0" if rate is None else f"{100 * rate:.1f}"
         vs_engine = f"{row['vs_engine_full']:.2f}x" if row.get("vs_engine_full") is not None else "-"
         mem = row.get("peak_cuda_gb", row["peak_rss_gb"])
         lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['median']:.3f} | "
-                     f"{row['speedup']:.2f}x | {vs_engine} | {mem:.2f} |")
+                     f"{1000 / row['median']:.2f} | {row['speedup']:.2f}x | {row['vs_best_stock']:.2f}x | {vs_engine} "
+                     f"| {mem:.2f} |")
     return "\n".join(lines)
 
 
@@ -175,7 +180,9 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (none is visible).")
 
-    methods = (args.methods or DEFAULT_METHODS[args.device]).split(",")
+    layer_types = getattr(decode_throughput.model_config(model_name(args)), "layer_types", None) or []
+    hybrid = any(kind != "full_attention" for kind in layer_types)
+    methods = (args.methods or (HYBRID_METHODS if hybrid else DEFAULT_METHODS[args.device])).split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or methods[0] != "native-full":
         raise SystemExit(f"--methods must start with native-full and come from {METHODS}; unknown: {unknown}")
@@ -196,6 +203,10 @@ def main(argv=None) -> int:
         result["speedup"] = result["median"] / baseline[length]
         result["vs_engine_full"] = result["median"] / engine_full[length] if length in engine_full else None
         rows.append(result)
+        best_stock = max(r["median"] for r in rows if r["length"] == length and r["method"] in STOCK)
+        for row in rows:  # ratios against the fastest stock arm of the length (so far; final once all ran)
+            if row["length"] == length:
+                row["vs_best_stock"] = row["median"] / best_stock
         tqdm.write(f"{length:>7} {method:<14} {result['median']:.3f} tok/s  {result['speedup']:.2f}x vs native-full")
 
     os.makedirs(args.output, exist_ok=True)

@@ -35,11 +35,14 @@ from oda_hf.engine import (
     fast_path_enabled,
     generate_fast,
 )
+from oda_hf.engine.graphs import cuda_graph_conditionals_available
 from oda_hf.kernels import commit_reference, kernels_interpreted
 from tiny_models import left_padded_prompts, tiny_model
 
 BUCKET = 8
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GRAPHS = pytest.mark.skipif(not cuda_graph_conditionals_available(),
+                            reason="this torch cannot capture torch.cond as a CUDA-graph conditional node")
 POLICIES = {"head": "head", "local": "local", "full": "full", "schedule": SchedulePolicy(1, 3),
             "random": RandomPolicy(0.4, seed=42)}
 
@@ -424,35 +427,63 @@ def test_model_generate_oda_fast(monkeypatch):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, oda_fast=True)
 
 
-def test_benchmark_script_tiny(tmp_path):
+def run_engine_benchmark(tmp_path, *arguments) -> list[dict]:
     script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "engine_throughput.py")
     done = subprocess.run(
-        [sys.executable, script, "--tiny", "--lengths", "96", "--methods", "native-full,engine-12.5", "--window",
-         "32", "--steps", "4", "--runs", "2", "--threads", "1", "--bucket-size", "16", "--output", str(tmp_path)],
-        capture_output=True, text=True, timeout=600)
+        [sys.executable, script, *arguments, "--lengths", "96", "--steps", "4", "--runs", "2", "--threads", "1",
+         "--output", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "engine_tiny_cpu.json").read_text())
-    assert [r["method"] for r in rows] == ["native-full", "engine-12.5"]
-    assert rows[1]["full_call_rate"] == 2 / 12 and all(t > 0 for t in rows[1]["throughput"])
+    return json.loads(next(tmp_path.glob("engine_*.json")).read_text())
+
+
+def test_benchmark_script_tiny(tmp_path):
+    rows = run_engine_benchmark(tmp_path, "--tiny", "--methods", "native-full,native-static,engine-12.5",
+                                "--window", "32", "--bucket-size", "16")
+    assert [r["method"] for r in rows] == ["native-full", "native-static", "engine-12.5"]
+    assert rows[2]["full_call_rate"] == 2 / 12 and all(t > 0 for t in rows[2]["throughput"])
+    fastest_stock = max(r["median"] for r in rows[:2])
+    assert rows[2]["vs_best_stock"] == pytest.approx(rows[2]["median"] / fastest_stock)
+
+
+def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
+    """A window-global hybrid has no engine: its arms are the stock ones and the HF path's."""
+    rows = run_engine_benchmark(tmp_path, "--model", "tiny-hybrid", "--methods", "native-full,hf-oda-local",
+                                "--window", "16")
+    assert [r["method"] for r in rows] == ["native-full", "hf-oda-local"] and rows[1]["full_call_rate"] == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
 # GPU (skipped here: no GPU in this project)
 # ------------------------------------------------------------------------------------------------
 @GPU
+@pytest.mark.parametrize("graph_mode", [pytest.param("cuda", marks=GRAPHS), "eager"])
 @pytest.mark.parametrize("policy", ["head", "schedule", "full"])
-def test_cuda_graph_engine_matches_hf_path(policy):
+def test_cuda_graph_engine_matches_hf_path(policy, graph_mode):
     model = make_model(policy=POLICIES[policy]).cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
-    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
-    assert engine.graph_mode == "cuda"
+    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode=graph_mode)
+    assert engine.graph_mode == graph_mode and engine.kernels == "triton"
     got = engine_generate(engine, ids, mask, max_new_tokens=20)
     assert_same(reference, got, logits_tol=1e-3)
-    assert len(engine.graphs) == 3 and sum(engine.graphs.replays.values()) == 19
+    if graph_mode == "cuda":
+        assert len(engine.graphs) == 3 and sum(engine.graphs.replays.values()) == 19
+
+
+def test_graph_mode_needs_conditional_nodes(monkeypatch):
+    """A torch without CUDA-graph conditional nodes (2.11): 'auto' runs eagerly, 'cuda' is refused by name."""
+    from oda_hf.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "cuda_graph_conditionals_available", lambda: False)
+    engine = OdaStaticEngine.__new__(OdaStaticEngine)  # only the mode check: no CUDA model to build here
+    engine.device, engine.model = torch.device("cuda"), make_model(policy="head")
+    assert engine._resolve_graph_mode("auto") == "eager"
+    with pytest.raises(FastPathUnsupported, match="conditional node.*graph_mode='eager'"):
+        engine._resolve_graph_mode("cuda")
 
 
 @GPU
+@GRAPHS
 def test_cuda_graph_capture_leaves_state_bit_identical():
     model = make_model(policy="head").cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from oda_hf.engine import FastPathUnsupported, OdaStaticEngine
+from oda_hf.engine.graphs import cuda_graph_conditionals_available
 from oda_hf.kernels import kernels_interpreted
 from test_exact import DRAFT_SETTINGS, SINKS, WINDOW, exact, exact_model, stock
 
@@ -110,3 +111,22 @@ def test_engine_exact_refusals():
         single = OdaStaticEngine(model, max_length=32)
         single.prefill(torch.randint(3, 90, (1, 12)))
         single.keep_verified(12, torch.zeros(model.config.hidden_size))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [pytest.param(True, marks=pytest.mark.skipif(
+    not cuda_graph_conditionals_available(), reason="this torch cannot capture CUDA-graph conditional nodes")), False])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_exact_on_gpu_equals_stock(family, graphs):
+    """On a GPU the engine runs the compiled Triton kernels and (with graphs) replays its draft step as a CUDA graph."""
+    model = exact_model(family).cuda()
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(11)).cuda()
+    reference = stock(model, ids, max_new_tokens=24)
+    engine = OdaStaticEngine(model, max_length=80, graph_mode="cuda" if graphs else "eager")
+    model.__dict__["_oda_static_engine"] = engine  # generate() reuses an engine that fits
+    for max_draft, threshold in DRAFT_SETTINGS:
+        out = exact(model, ids, max_new_tokens=24, max_draft=max_draft, verify_threshold=threshold, oda_fast=True)
+        assert model.__dict__["_oda_static_engine"] is engine and engine.kernels == "triton"
+        assert torch.equal(out, reference), (max_draft, threshold)
+        if graphs:
+            assert sum(engine.graphs.replays.values()) >= model.routing.total("drafted")

@@ -4,7 +4,7 @@ brute-force dense softmax over explicit logical positions.
 Without a GPU the Triton kernels run through Triton's CPU interpreter, which is chosen when a jit
 function is *defined*: both Triton's own library (``tl.sum``, ``tl.max``..., defined when triton is
 first imported) and our kernels must be defined with ``TRITON_INTERPRET=1``. It is therefore set
-below, before this module imports triton or the kernels; it stays set for the session. If another
+below (on machines without a GPU), before this module imports triton or the kernels; it stays set for the session. If another
 test module already imported triton (transformers does), the interpreter cannot be switched on in
 this process any more: the Triton tests then skip here and `test_triton_tests_in_fresh_process`
 reruns this file in a fresh interpreter with the variable set from the start. (A
@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede any import of triton / oda_hf.kernels
-
-import importlib.util
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-import pytest
 import torch
+
+# Must precede any import of triton / oda_hf.kernels. Not on a GPU machine: the variable holds for the whole
+# pytest process, and the engine tests that follow must run the compiled kernels on CUDA tensors there (the
+# interpreter cannot read them); this file's CPU tests then run in a fresh process (test_triton_tests_in_fresh_process).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from transformers.utils import logging
 
 from ..cache import workspace_geometry
 from ..compat import cache_kwargs
@@ -40,6 +41,7 @@ from .attention import (
     register_engine_attention,
 )
 from .graphs import (
+    CONDITIONAL_NODES_MODULE,
     CONDITIONALS,
     DEFAULT_BUCKET_SIZE,
     GRAPH_MODES,
@@ -48,6 +50,7 @@ from .graphs import (
     bucket_columns,
     bucket_index,
     conditional,
+    cuda_graph_conditionals_available,
 )
 from .state import EngineState
 from .support import (
@@ -60,6 +63,7 @@ from .support import (
 )
 
 KERNEL_BACKENDS = ("triton", "sdpa", "reference")
+logger = logging.get_logger(__name__)
 
 
 def _is_oda_model(model) -> bool:
@@ -164,11 +168,23 @@ class OdaStaticEngine:
     def _resolve_graph_mode(self, graph_mode: str) -> str:
         if graph_mode == "auto":
             graph_mode = "cuda" if self.device.type == "cuda" else "eager"
+            if graph_mode == "cuda" and not cuda_graph_conditionals_available():
+                # Same results, slower steps: say so once rather than fail a user whose torch is older.
+                logger.warning_once(
+                    f"torch {torch.__version__} cannot capture the step's branch to Full in a CUDA graph (it lacks "
+                    f"{CONDITIONAL_NODES_MODULE}; torch 2.13 has it): the static engine runs eagerly on this GPU. "
+                    "Upgrade torch for graph replay.")
+                graph_mode = "eager"
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto' or one of {GRAPH_MODES}; got {graph_mode!r}.")
         if graph_mode == "cuda":
             if self.device.type != "cuda":
                 raise ValueError(f"graph_mode='cuda' needs a CUDA model; this one is on {self.device}.")
+            if not cuda_graph_conditionals_available():
+                raise FastPathUnsupported(
+                    f"graph_mode='cuda' needs a torch that captures torch.cond as a CUDA-graph conditional node "
+                    f"({CONDITIONAL_NODES_MODULE}; torch 2.13 has it, this is {torch.__version__}): upgrade torch "
+                    "or use graph_mode='eager'.")
             if any(kind in rope_type(self.model.config) for kind in HOST_DEPENDENT_ROPE):
                 raise FastPathUnsupported(
                     f"RoPE type {rope_type(self.model.config)!r} picks its frequencies on the host from the positions, "

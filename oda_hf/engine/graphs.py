@@ -14,6 +14,7 @@ shared with the ``emulate`` mode, whose "graph" re-runs the step eagerly, so CPU
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,19 @@ from .routing import StepPlan
 DEFAULT_BUCKET_SIZE = 128
 GRAPH_MODES = ("eager", "emulate", "cuda")
 CONDITIONALS = ("eager", "cond")
+
+
+# The dispatch modes that turn torch.cond into CUDA-graph IF nodes. torch 2.13 has them; 2.11 does not (seen on an
+# H200 with torch 2.11.0+cu130), and without them a step cannot branch to Full inside a captured graph.
+CONDITIONAL_NODES_MODULE = "torch._higher_order_ops.cudagraph_conditional_nodes"
+
+
+def cuda_graph_conditionals_available() -> bool:
+    """Whether this torch can capture `torch.cond` as a CUDA-graph conditional node."""
+    try:
+        return importlib.util.find_spec(CONDITIONAL_NODES_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def bucket_index(length: int, bucket_size: int) -> int:
