@@ -249,11 +249,16 @@ def test_always_local_at_other_gqa_ratios(tmp_path, heads, kv_heads):
     folder = str(tmp_path / "model")
     model = build_model(folder, heads=heads, kv_heads=kv_heads, seed=1)
     prompts = [prompt(n, seed=n + heads) for n in (SPAN - 1, SPAN + 1, 70)]
-    results = run_vllm(tmp_path, "oda", folder, [[request(ids, policy="local") for ids in prompts]],
+    local = [request(ids, policy="local") for ids in prompts]
+    results = run_vllm(tmp_path, "oda", folder, [local, [request(prompts[0], policy="head")],
+                                                 [request(prompts[0], policy="budget:0.25")], local[:1]],
                        oda={"sinks": SINKS, "window": WINDOW, "policy": "local"})
     for ids, ours in zip(prompts, results[0]["outputs"]):
         tokens, _ = hf_generate(model, None, ids, 12, "local")
         assert ours["tokens"] == tokens
+    # served without a head: a request for it is refused at admission, and the engine goes on serving
+    assert "'head' needs the recall head" in results[1]["error"] and "'budget'" in results[2]["error"]
+    assert results[3]["outputs"][0]["tokens"] == results[0]["outputs"][0]["tokens"]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -10,6 +10,7 @@ import torch
 from oda_hf.vllm import engine_args
 from oda_hf.vllm.attention import local_positions, paged_local_attention
 from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
+from oda_hf.vllm.settings import SERVES_HEAD_ENV, check_request_admissible, note_served_head
 
 DEFAULT = RequestRouting(policy="head", threshold=0.2)
 
@@ -47,6 +48,23 @@ def test_request_knobs(extra, expected):
 def test_bad_request_knobs_name_the_value(extra, message):
     with pytest.raises(ValueError, match=message):
         request_routing(extra, DEFAULT)
+
+
+def test_admission_refuses_head_requests_to_a_headless_server(monkeypatch):
+    monkeypatch.setenv(SERVES_HEAD_ENV, "")  # restored at teardown
+    monkeypatch.delenv(SERVES_HEAD_ENV)
+    check_request_admissible({"oda_policy": "head"})  # no engine configured in this process: nothing known
+    note_served_head(False)
+    for policy in ("head", "budget:0.25"):
+        with pytest.raises(ValueError, match="needs the recall head.*serve with a head"):
+            check_request_admissible({"oda_policy": policy})
+    check_request_admissible({"oda_policy": "local"})
+    check_request_admissible({"oda_threshold": 0.3})  # the engine's default policy applies (local without a head)
+    with pytest.raises(ValueError, match="oda_policy: unknown policy"):
+        check_request_admissible({"oda_policy": "sometimes"})
+    note_served_head(True)
+    note_served_head(False)  # sticky: some engine of this process has a head
+    check_request_admissible({"oda_policy": "head"})
 
 
 def test_schedule_and_random_decisions():

@@ -70,13 +70,14 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     they are the engine's defaults, and a request may choose its own policy and threshold (``extra_args``).
     """
     from ..known_models import resolve_base
-    from .settings import ServingSettings
+    from .settings import ServingSettings, note_served_head
 
     folder = os.path.abspath(os.fspath(resolve_base(base)))
     settings = ServingSettings.resolve(head, sinks, window, threshold, policy)
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner
     if settings.head is not None:
         check_head_fits(settings.head, folder)
+    note_served_head(settings.head is not None)  # lets admission refuse head requests to a headless server
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
     overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
     kwargs = dict(model=folder, hf_overrides=overrides, worker_cls=worker_class_name())

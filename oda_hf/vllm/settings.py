@@ -9,7 +9,29 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .requests import RequestRouting, parse_policy
+from .requests import POLICY_KEY, RequestRouting, parse_policy, request_routing
+
+# Whether an engine configured in this process (by `engine_args`, which `oda serve` also calls) serves a recall head:
+# "1" once any does, else "0"; unset when no engine was configured here (e.g. `vllm serve` with hand-written
+# overrides). The admission check reads it: vLLM gives a request validator nothing but the request.
+SERVES_HEAD_ENV = "ODA_VLLM_SERVES_HEAD"
+
+
+def note_served_head(has_head: bool) -> None:
+    """Record that this process configured an engine with / without a head (sticky once any has one)."""
+    os.environ[SERVES_HEAD_ENV] = "1" if has_head or os.environ.get(SERVES_HEAD_ENV) == "1" else "0"
+
+
+def check_request_admissible(extra_args: dict | None) -> None:
+    """ValueError for a request this process's engines cannot serve: invalid ODA knobs, or a policy that needs the
+    recall head when every engine configured here runs without one (it would otherwise fail inside a model step,
+    where vLLM cannot fail one request alone)."""
+    extra_args = extra_args or {}
+    routing = request_routing(extra_args, RequestRouting())
+    if (extra_args.get(POLICY_KEY) is not None and routing.policy in ("head", "budget")
+            and os.environ.get(SERVES_HEAD_ENV) == "0"):
+        raise ValueError(f"{POLICY_KEY} {routing.policy!r} needs the recall head, and this server runs without one: "
+                         "ask for full, local, random:P or schedule:K:PERIOD, or serve with a head (head=...).")
 
 
 @dataclass(frozen=True)
