@@ -183,6 +183,9 @@ def main(argv=None) -> int:
     layer_types = getattr(decode_throughput.model_config(model_name(args)), "layer_types", None) or []
     hybrid = any(kind != "full_attention" for kind in layer_types)
     methods = (args.methods or (HYBRID_METHODS if hybrid else DEFAULT_METHODS[args.device])).split(",")
+    if hybrid and any(method.startswith("engine-") for method in methods):
+        raise SystemExit(f"{model_name(args)} is a window-global hybrid: the static engine does not run it; use the "
+                         f"stock and hf-oda-* methods ({HYBRID_METHODS}).")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or methods[0] != "native-full":
         raise SystemExit(f"--methods must start with native-full and come from {METHODS}; unknown: {unknown}")
