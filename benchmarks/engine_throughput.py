@@ -1,7 +1,7 @@
 """Decode throughput of the static engine (oda_hf.engine) against the HF path and stock decoding.
 
-GPU: run once on an H200 with torch 2.11 (benchmarks/results/gpu_h200_torch2.11.md): the stock and HF-path arms
-ran; the engine's CUDA graphs need torch >= 2.13 (conditional nodes), so its GPU speed is still unmeasured.
+GPU results: benchmarks/results/gpu_h200_torch2.11.md (on torch < 2.13 the engine's graphs branch to Full through
+one host read per step, `conditional="host"`; with conditional nodes the branch stays on the device).
 
 Methods, all on the same synthetic history and the same continuation (produced by native-full):
   native-full        stock transformers forward + DynamicCache (eager; the reference everywhere)
@@ -14,6 +14,11 @@ Methods, all on the same synthetic history and the same continuation (produced b
                      (with graphs on CUDA, the fair "native Full" of a graph-captured runtime)
   engine-local       OdaStaticEngine, always Local (StreamingLLM access set; head not run)
   engine-{12.5,25,50}  OdaStaticEngine with the schedule; the head runs every step
+Bytes limit (ms/token): the time one step would take if it only moved its bytes at the device's copy bandwidth
+(measured in the worker: a 1 GiB tensor copy, read + write): the decoder's weights once per backbone pass (two
+passes on a step that recalls: Local, then Full), the output matrix once, and the KV each pass reads (all n
+positions for Full, s + w for Local), at the arm's measured Full-call rate. An arm near its limit is bound by
+memory; far above it, by launches and Python.
 Protocol (as benchmarks/decode_throughput.py, whose model shapes and synthetic history it reuses):
 one warm-up segment and `--runs` measured segments of `--steps` routed steps, run back to back on one
 request; throughput = steps / segment time; median reported with the ratio to native-full (and to
@@ -69,6 +74,36 @@ def _routing(method: str):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device tensor copy moves (bytes read plus bytes written; best of `repeats`)."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 27)
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy is a warm-up
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    del source, target
+    return 2 * nbytes / best
+
+
+def step_bytes(model, length: int, sinks: int, window: int, full_rate: float, runs_local: bool) -> float:
+    """Bytes one decode step must read at least (see the module docstring): weights per pass, output matrix, KV."""
+    output = model.get_output_embeddings().weight
+    embedding = model.get_input_embeddings().weight  # read one row per step
+    decoder = sum(p.numel() * p.element_size() for p in model.get_decoder().parameters()
+                  if p.data_ptr() not in (output.data_ptr(), embedding.data_ptr()))
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * output.element_size()
+    passes = (1 + full_rate) if runs_local else 1
+    positions = (min(sinks + window, length) + full_rate * length) if runs_local else length
+    return decoder * passes + output.numel() * output.element_size() + kv_per_position * positions
 
 
 def worker(args) -> dict:
@@ -135,13 +170,21 @@ def worker(args) -> dict:
     }
     if device.type == "cuda":
         result["peak_cuda_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    rate = 1.0 if routing_of(engine, oda) is None else routing_of(engine, oda).full_call_rate
+    runs_local = args.method not in STOCK and not args.method.endswith("-full")
+    result["bytes_limit_ms"] = 1000 * step_bytes(model, args.length, args.sinks, args.window, rate,
+                                                 runs_local) / copy_bandwidth(device)
     if engine is not None:
         result.update(graphs=len(engine.graphs) if engine.graphs is not None else 0, graph_keys_captured=len(captured),
-                      capture_seconds=capture_seconds, kernels=engine.kernels, graph_mode=engine.graph_mode)
-    routing = engine.routing if engine is not None else (oda.routing if oda is not None else None)
-    if routing is not None:
-        result["full_call_rate"] = routing.full_call_rate
+                      capture_seconds=capture_seconds, kernels=engine.kernels, graph_mode=engine.graph_mode,
+                      conditional=engine.conditional)
+    if routing_of(engine, oda) is not None:
+        result["full_call_rate"] = rate
     return result
+
+
+def routing_of(engine, oda):
+    return engine.routing if engine is not None else (oda.routing if oda is not None else None)
 
 
 def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
@@ -152,8 +195,8 @@ def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
 def format_table(rows: list[dict], device: str) -> str:
     memory = "Peak CUDA (GB)" if device == "cuda" else "Peak RSS (GB)"
     lines = [f"| Input tokens | Method | Full (%) | tok/s (median) | ms/token | vs native-full | vs best stock "
-             f"| vs engine-full | {memory} |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| vs engine-full | bytes limit (ms/token) | {memory} |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = row.get("full_call_rate")
         full_pct = "100.0" if rate is None else f"{100 * rate:.1f}"
@@ -161,8 +204,25 @@ def format_table(rows: list[dict], device: str) -> str:
         mem = row.get("peak_cuda_gb", row["peak_rss_gb"])
         lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['median']:.3f} | "
                      f"{1000 / row['median']:.2f} | {row['speedup']:.2f}x | {row['vs_best_stock']:.2f}x | {vs_engine} "
-                     f"| {mem:.2f} |")
+                     f"| {row['bytes_limit_ms']:.3f} | {mem:.2f} |")
     return "\n".join(lines)
+
+
+def write_results(args, rows: list[dict]) -> str:
+    """Write the table (Markdown, with its header) and the rows (JSON) to `args.output`; returns the Markdown."""
+    from oda_hf.files import write_json, write_text
+
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"CPU, {args.threads} threads on {os.cpu_count()} cores")
+    header = (f"Static-engine decode benchmark: {MODEL_NAMES[model_name(args)]}, {args.dtype}, {where}, "
+              f"s={args.sinks}, w={args.window}, bucket {args.bucket_size}, {args.runs} x {args.steps} measured routed "
+              f"steps after {args.steps} warm-up steps.")
+    text = header + "\n\n" + format_table(rows, args.device) + "\n"
+    os.makedirs(args.output, exist_ok=True)
+    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}"
+    write_text(os.path.join(args.output, name + ".md"), text)
+    write_json(os.path.join(args.output, name + ".json"), rows)
+    return text
 
 
 def main(argv=None) -> int:
@@ -191,10 +251,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"--methods must start with native-full and come from {METHODS}; unknown: {unknown}")
     from tqdm import tqdm
 
-    rows, continuation, baseline, engine_full = [], None, {}, {}
+    rows, continuation, baseline, engine_full, table = [], None, {}, {}, ""
     jobs = [(int(n), m) for n in args.lengths.split(",") for m in methods]
+    failed = []
     for length, method in tqdm(jobs, desc="engine benchmark", unit="run"):
-        result = run_worker_subprocess(args, length, method, None if method == "native-full" else continuation)
+        try:
+            result = run_worker_subprocess(args, length, method, None if method == "native-full" else continuation)
+        except RuntimeError as error:  # one arm's failure costs only that arm (device time is scarce)
+            if method == "native-full":
+                raise
+            tqdm.write(str(error))
+            failed.append(f"{method} @ {length}")
+            continue
         if method == "native-full":
             continuation = result["continuation"]
         result.pop("continuation", None)
@@ -211,20 +279,11 @@ def main(argv=None) -> int:
             if row["length"] == length:
                 row["vs_best_stock"] = row["median"] / best_stock
         tqdm.write(f"{length:>7} {method:<14} {result['median']:.3f} tok/s  {result['speedup']:.2f}x vs native-full")
-
-    os.makedirs(args.output, exist_ok=True)
-    where = (torch.cuda.get_device_name() if args.device == "cuda"
-             else f"CPU, {args.threads} threads on {os.cpu_count()} cores")
-    header = (f"Static-engine decode benchmark: {MODEL_NAMES[model_name(args)]}, {args.dtype}, {where}, "
-              f"s={args.sinks}, w={args.window}, bucket {args.bucket_size}, {args.runs} x {args.steps} measured routed "
-              f"steps after {args.steps} warm-up steps.")
-    table = format_table(rows, args.device)
-    print(header + "\n\n" + table)
-    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}"
-    with open(os.path.join(args.output, name + ".md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    with open(os.path.join(args.output, name + ".json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        table = write_results(args, rows)  # after every run: a run cut short keeps what finished
+    print(table)
+    if failed:
+        print(f"Failed (see above): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

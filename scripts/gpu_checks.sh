@@ -26,7 +26,7 @@ if has tests; then
     tests/test_kernels.py::test_compiled_kernels_on_gpu \
     tests/test_engine.py::test_cuda_graph_engine_matches_hf_path \
     tests/test_engine.py::test_cuda_graph_capture_leaves_state_bit_identical \
-    tests/test_engine.py::test_graph_mode_needs_conditional_nodes \
+    tests/test_engine.py::test_graph_mode_without_conditional_nodes \
     tests/test_exact_engine.py::test_engine_exact_on_gpu_equals_stock 2>&1 | tee "$OUT/tests.log"
 fi
 if has bench; then

@@ -35,7 +35,7 @@ from oda_hf.engine import (
     fast_path_enabled,
     generate_fast,
 )
-from oda_hf.engine.graphs import cuda_graph_conditionals_available
+from oda_hf.engine.graphs import STEP_PARTS, cuda_graph_conditionals_available
 from oda_hf.kernels import commit_reference, kernels_interpreted
 from tiny_models import left_padded_prompts, tiny_model
 
@@ -236,11 +236,41 @@ def test_emulated_graphs_match_eager_bitwise_and_reuse_buckets():
     assert len(graphed.graphs.captures) == 3 and graphed.graphs.replays[GraphKey(2, plan)] == 14
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_host_split_graphs_match_eager_bitwise(policy):
+    """conditional="host" (CUDA graphs on torch < 2.13): a branching step is three graphs per bucket (route, full,
+    finish) with the decision read on the host between them, and the Full graph replays only on steps where a row
+    recalls. Always-Full and always-Local steps do not branch: one graph each, as with conditional nodes."""
+    model = make_model(policy=POLICIES[policy])
+    ids, mask = left_padded_prompts()
+    expected = engine_generate(OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET), ids, mask,
+                               max_new_tokens=20)
+    split = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode="emulate",
+                            conditional="host")
+    got = engine_generate(split, ids, mask, max_new_tokens=20)
+    assert_same(expected, got, logits_tol=0.0)
+    assert_same(hf_generate(model, ids, mask, max_new_tokens=20), got)
+    plan, replays = split.graph_key().plan, split.graphs.replays
+    if policy in ("full", "local"):
+        assert split.graphs.captures == [GraphKey(b, plan) for b in (2, 3, 4)]
+        return
+    assert split.graphs.captures == [GraphKey(b, plan, part) for b in (2, 3, 4) for part in STEP_PARTS]
+    for part in ("route", "finish"):  # steps at committed lengths 9..27: 7, 8 and 4 per bucket
+        assert [replays[GraphKey(b, plan, part)] for b in (2, 3, 4)] == [7, 8, 4]
+    recalled = got[1].decisions.any(0)
+    assert 0 < int(recalled.sum()) < 19  # both ways taken
+    steps_per_bucket = torch.tensor([7, 8, 4]).cumsum(0).tolist()
+    per_bucket = [int(part.sum()) for part in torch.tensor_split(recalled, steps_per_bucket[:-1])]
+    assert [replays[GraphKey(b, plan, "full")] for b in (2, 3, 4)] == per_bucket
+
+
+@pytest.mark.parametrize("conditional", ["eager", "host"])
 @pytest.mark.parametrize("policy,sinks,window", [("head", 2, 4), ("full", 2, 4), ("local", 2, 1), ("head", 0, 3)])
-def test_warm_up_and_capture_leave_state_bit_identical(policy, sinks, window):
+def test_warm_up_and_capture_leave_state_bit_identical(policy, sinks, window, conditional):
     model = make_model(policy=policy, sinks=sinks, window=window)
     ids, mask = left_padded_prompts()
-    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, graph_mode="emulate")
+    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, graph_mode="emulate",
+                             conditional=conditional)
     twin = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
     tokens = engine.prefill(ids, mask, max_new_tokens=30).argmax(-1)
     twin.prefill(ids, mask, max_new_tokens=30)
@@ -441,8 +471,24 @@ def test_benchmark_script_tiny(tmp_path):
                                 "--window", "32", "--bucket-size", "16")
     assert [r["method"] for r in rows] == ["native-full", "native-static", "engine-12.5"]
     assert rows[2]["full_call_rate"] == 2 / 12 and all(t > 0 for t in rows[2]["throughput"])
+    assert all(r["bytes_limit_ms"] > 0 for r in rows)
     fastest_stock = max(r["median"] for r in rows[:2])
     assert rows[2]["vs_best_stock"] == pytest.approx(rows[2]["median"] / fastest_stock)
+
+
+def test_benchmark_bytes_limit_counts_passes_and_kv():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from engine_throughput import step_bytes
+
+    model = tiny_model("llama")  # fp32, untied output matrix
+    config = model.config
+    output = model.lm_head.weight.numel() * 4
+    decoder = sum(p.numel() for p in model.model.parameters()) * 4 - model.model.embed_tokens.weight.numel() * 4
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert step_bytes(model, 1000, 4, 60, 1.0, runs_local=False) == decoder + output + kv * 1000
+    assert step_bytes(model, 1000, 4, 60, 0.0, runs_local=True) == decoder + output + kv * 64
+    assert step_bytes(model, 1000, 4, 60, 0.25, runs_local=True) == 1.25 * decoder + output + kv * (64 + 250)
 
 
 def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
@@ -456,38 +502,52 @@ def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
 # GPU (skipped here: no GPU in this project)
 # ------------------------------------------------------------------------------------------------
 @GPU
-@pytest.mark.parametrize("graph_mode", [pytest.param("cuda", marks=GRAPHS), "eager"])
-@pytest.mark.parametrize("policy", ["head", "schedule", "full"])
-def test_cuda_graph_engine_matches_hf_path(policy, graph_mode):
+@pytest.mark.parametrize("graph_mode,conditional", [pytest.param("cuda", "cond", marks=GRAPHS), ("cuda", "host"),
+                                                    ("eager", "eager")])
+@pytest.mark.parametrize("policy", ["head", "schedule", "full", "local"])
+def test_cuda_graph_engine_matches_hf_path(policy, graph_mode, conditional):
     model = make_model(policy=POLICIES[policy]).cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
-    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode=graph_mode)
+    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode=graph_mode,
+                             conditional=conditional)
     assert engine.graph_mode == graph_mode and engine.kernels == "triton"
     got = engine_generate(engine, ids, mask, max_new_tokens=20)
     assert_same(reference, got, logits_tol=1e-3)
     if graph_mode == "cuda":
-        assert len(engine.graphs) == 3 and sum(engine.graphs.replays.values()) == 19
+        split = conditional == "host" and policy in ("head", "schedule")  # the policies whose steps branch
+        graphs_per_bucket = len(STEP_PARTS) if split else 1
+        assert len(engine.graphs) == 3 * graphs_per_bucket
+        steps = [n for key, n in engine.graphs.replays.items() if key.part in ("step", "route")]
+        assert sum(steps) == 19
 
 
-def test_graph_mode_needs_conditional_nodes(monkeypatch):
-    """A torch without CUDA-graph conditional nodes (2.11): 'auto' runs eagerly, 'cuda' is refused by name."""
+def test_graph_mode_without_conditional_nodes(monkeypatch):
+    """A torch without CUDA-graph conditional nodes (2.11): graphs still, with the branch read on the host;
+    asking for torch.cond there is refused by name, and a Python if inside a captured graph is refused."""
     from oda_hf.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "cuda_graph_conditionals_available", lambda: False)
-    engine = OdaStaticEngine.__new__(OdaStaticEngine)  # only the mode check: no CUDA model to build here
+    engine = OdaStaticEngine.__new__(OdaStaticEngine)  # only the mode checks: no CUDA model to build here
     engine.device, engine.model = torch.device("cuda"), make_model(policy="head")
-    assert engine._resolve_graph_mode("auto") == "eager"
-    with pytest.raises(FastPathUnsupported, match="conditional node.*graph_mode='eager'"):
-        engine._resolve_graph_mode("cuda")
+    engine.graph_mode = engine._resolve_graph_mode("auto")
+    assert engine.graph_mode == "cuda" and engine._resolve_conditional("auto") == "host"
+    with pytest.raises(FastPathUnsupported, match="conditional node.*conditional='host'"):
+        engine._resolve_conditional("cond")
+    with pytest.raises(ValueError, match="Python if"):
+        engine._resolve_conditional("eager")
+    monkeypatch.setattr(engine_module, "cuda_graph_conditionals_available", lambda: True)
+    assert engine._resolve_conditional("auto") == "cond"
+    engine.graph_mode = "eager"
+    assert engine._resolve_conditional("auto") == "eager"
 
 
 @GPU
-@GRAPHS
-def test_cuda_graph_capture_leaves_state_bit_identical():
+@pytest.mark.parametrize("conditional", [pytest.param("cond", marks=GRAPHS), "host"])
+def test_cuda_graph_capture_leaves_state_bit_identical(conditional):
     model = make_model(policy="head").cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())
-    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
+    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET, conditional=conditional)
     tokens = engine.prefill(ids, mask, max_new_tokens=30).argmax(-1)
     engine.state.input_ids.copy_(tokens[:, None])
     before = state_copy(engine)

@@ -11,8 +11,10 @@ One routed step (paper Algorithm 1 and App. "Selected-state execution"), all on 
     h = select_full ? h_F : h_L   per row;  commit selected KV to cache column n and the ring
     h_prev = h;  n += 1;  valid_count += 1;  step_counter += 1
 
-The step reads nothing back to the host; the host only knows that one token was committed, which is
-all it needs to pick the length bucket. `lm_head` and sampling run after the step (outside the
+With conditional nodes (torch >= 2.13) the step reads nothing back to the host; the host only knows
+that one token was committed, which is all it needs to pick the length bucket. Without them
+(``conditional="host"``), the step runs as three graphs and the host reads ``any(select_full)`` once
+between the first two, to replay the Full graph or skip it. `lm_head` and sampling run after the step (outside the
 conditional), once, on the selected hidden state.
 
 The engine reuses the HF model's own modules (embedding, decoder layers, norm, rotary, lm_head) and
@@ -21,10 +23,11 @@ drives them through `attention.EngineCache` and the ``oda_static_engine`` attent
 
 from __future__ import annotations
 
+import functools
 import itertools
+from types import SimpleNamespace
 
 import torch
-from transformers.utils import logging
 
 from ..cache import workspace_geometry
 from ..compat import cache_kwargs
@@ -63,7 +66,12 @@ from .support import (
 )
 
 KERNEL_BACKENDS = ("triton", "sdpa", "reference")
-logger = logging.get_logger(__name__)
+
+
+class _StepScratch(SimpleNamespace):
+    """Tensors one part of a step leaves for the next (embeds, positions, full_mask, local_hidden, select_full,
+    any_full, full_hidden). With captured split steps, one per graph key: the parts' graphs read and write
+    exactly these tensors, so the host reads ``any_full`` here after replaying ``route``."""
 
 
 def _is_oda_model(model) -> bool:
@@ -86,8 +94,10 @@ class OdaStaticEngine:
             commit; default otherwise) or ``"reference"`` (the kernels' PyTorch reference + PyTorch commit).
         graph_mode: ``"cuda"`` (capture CUDA graphs; default on CUDA), ``"eager"`` (default elsewhere),
             or ``"emulate"`` (graph bookkeeping with eager re-execution; for CPU tests).
-        conditional: how the step branches to Full: ``"cond"`` (`torch.cond`; default with CUDA graphs)
-            or ``"eager"`` (Python ``if`` on the predicate; default otherwise).
+        conditional: how the step branches to Full: ``"cond"`` (`torch.cond`, a CUDA-graph IF node: nothing
+            read back; default with CUDA graphs on torch >= 2.13), ``"host"`` (three graphs per bucket, Local +
+            head, Full, commit, with one host read of the decision between them; default with CUDA graphs on
+            older torch) or ``"eager"`` (Python ``if`` on the predicate; default without graphs).
 
     Use `generate` for whole requests; `prefill` / `load_history` + `step` drive it token by token.
     The model's attention implementation is switched to the engine's only during a step and restored
@@ -112,11 +122,7 @@ class OdaStaticEngine:
         self.bucket_size = int(bucket_size)
         self.kernels = self._resolve_kernels(kernels)
         self.graph_mode = self._resolve_graph_mode(graph_mode)
-        if conditional == "auto":
-            conditional = "cond" if self.graph_mode == "cuda" else "eager"
-        if conditional not in CONDITIONALS:
-            raise ValueError(f"conditional must be 'auto' or one of {CONDITIONALS}; got {conditional!r}.")
-        self.conditional = conditional
+        self.conditional = self._resolve_conditional(conditional)
 
         config = model.config
         self.decoder = model.get_decoder()
@@ -135,7 +141,9 @@ class OdaStaticEngine:
         self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL, VERIFY)}
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
-        self.graphs = StepGraphs(self.graph_mode, self.device) if self.graph_mode != "eager" else None
+        self.graphs = None if self.graph_mode == "eager" else StepGraphs(
+            self.graph_mode, self.device, conditional_nodes=self.conditional == "cond")
+        self._split_scratch: dict[GraphKey, _StepScratch] = {}  # conditional="host": the captured parts' tensors
         register_engine_attention()
 
         # Host mirrors of device counters: advanced by one per step, never read back from the device.
@@ -168,29 +176,36 @@ class OdaStaticEngine:
     def _resolve_graph_mode(self, graph_mode: str) -> str:
         if graph_mode == "auto":
             graph_mode = "cuda" if self.device.type == "cuda" else "eager"
-            if graph_mode == "cuda" and not cuda_graph_conditionals_available():
-                # Same results, slower steps: say so once rather than fail a user whose torch is older.
-                logger.warning_once(
-                    f"torch {torch.__version__} cannot capture the step's branch to Full in a CUDA graph (it lacks "
-                    f"{CONDITIONAL_NODES_MODULE}; torch 2.13 has it): the static engine runs eagerly on this GPU. "
-                    "Upgrade torch for graph replay.")
-                graph_mode = "eager"
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be 'auto' or one of {GRAPH_MODES}; got {graph_mode!r}.")
         if graph_mode == "cuda":
             if self.device.type != "cuda":
                 raise ValueError(f"graph_mode='cuda' needs a CUDA model; this one is on {self.device}.")
-            if not cuda_graph_conditionals_available():
-                raise FastPathUnsupported(
-                    f"graph_mode='cuda' needs a torch that captures torch.cond as a CUDA-graph conditional node "
-                    f"({CONDITIONAL_NODES_MODULE}; torch 2.13 has it, this is {torch.__version__}): upgrade torch "
-                    "or use graph_mode='eager'.")
             if any(kind in rope_type(self.model.config) for kind in HOST_DEPENDENT_ROPE):
                 raise FastPathUnsupported(
                     f"RoPE type {rope_type(self.model.config)!r} picks its frequencies on the host from the positions, "
                     "which a CUDA graph would freeze: use graph_mode='eager' or the HF path."
                 )
         return graph_mode
+
+    def _resolve_conditional(self, conditional: str) -> str:
+        if conditional == "auto":
+            if self.graph_mode != "cuda":
+                return "eager"
+            # Conditional nodes keep the whole step on the device; without them (torch < 2.13) the step is split
+            # into graphs around one host read of the decision.
+            return "cond" if cuda_graph_conditionals_available() else "host"
+        if conditional not in CONDITIONALS:
+            raise ValueError(f"conditional must be 'auto' or one of {CONDITIONALS}; got {conditional!r}.")
+        if conditional == "cond" and self.graph_mode == "cuda" and not cuda_graph_conditionals_available():
+            raise FastPathUnsupported(
+                f"conditional='cond' with CUDA graphs needs a torch that captures torch.cond as a CUDA-graph "
+                f"conditional node ({CONDITIONAL_NODES_MODULE}; torch 2.13 has it, this is {torch.__version__}): "
+                "upgrade torch or use conditional='host' (one host read of the decision per step).")
+        if conditional == "eager" and self.graph_mode == "cuda":
+            raise ValueError("conditional='eager' branches with a Python if inside the step, which a graph would "
+                             "freeze: use 'host' or 'cond' with graphs.")
+        return conditional
 
     @property
     def capacity(self) -> int:
@@ -248,7 +263,7 @@ class OdaStaticEngine:
         if weights != self._weights:
             self._check_weights_compatible()
             if self.graphs is not None:
-                self.graphs.clear()  # captured graphs hold the old parameter addresses
+                self._clear_graphs()  # captured graphs hold the old parameter addresses
             self._weights = weights
         policy = config.routing_policy()
         plan = device_routing.plan_for(policy, self.model.recall_head is not None)
@@ -338,7 +353,11 @@ class OdaStaticEngine:
         self.state.input_ids.copy_(input_ids.reshape(self.batch_size, 1))
         key = self.graph_key()
         try:
-            if self.graphs is None:
+            if self.conditional == "host" and self._branches(key.plan):
+                if self.graphs is not None and key.with_part("route") not in self.graphs:
+                    self._capture_split(key)
+                self._split_step(key)
+            elif self.graphs is None:
                 self._run_step(key)
             else:
                 if key not in self.graphs:
@@ -366,7 +385,7 @@ class OdaStaticEngine:
         final_length = min(final_length, self.capacity)
         first, last = bucket_index(self._length + 1, self.bucket_size), bucket_index(final_length, self.bucket_size)
         keys = [GraphKey(bucket, self._plan) for bucket in range(first, last + 1)]
-        keys = [key for key in keys if key not in self.graphs]
+        keys = [key for key in keys if not self._captured(key)]
         for key in keys:
             self._capture(key)
         return keys
@@ -377,11 +396,21 @@ class OdaStaticEngine:
         Every trial starts from the committed state (a second warm-up must not see the first one's
         advanced position), and none of them advances the request's history.
         """
+        if self.conditional == "host" and self._branches(key.plan):
+            self._capture_split(key)
+            return
         for force in ((True, False) if key.plan.run_local else (None,)):
             with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
                 self.graphs.warm_up(lambda: self._run_step(key, force=force))
         with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
             self.graphs.capture(key, lambda: self._run_step(key))
+
+    def _clear_graphs(self) -> None:
+        self.graphs.clear()
+        self._split_scratch.clear()
+
+    def _captured(self, key: GraphKey) -> bool:
+        return (key.with_part("route") if self.conditional == "host" and self._branches(key.plan) else key) in self.graphs
 
     # -- the step ------------------------------------------------------------------------------------
     def _run_step(self, key: GraphKey, force: bool | None = None) -> None:
@@ -389,21 +418,39 @@ class OdaStaticEngine:
             self._step_body(key, force)
 
     def _step_body(self, key: GraphKey, force: bool | None) -> None:
-        """Device work of one routed step. `force` pins the branch (warm-up only)."""
+        """Device work of one routed step, one body (``conditional`` "eager" or "cond"). `force` pins the branch
+        (warm-up only)."""
+        step = _StepScratch()
+        self._route(key, step)
+        if self._branches(key.plan):
+            pred = step.any_full if force is None else self._forced[force]
+            step.full_hidden = conditional(self.conditional, pred, self._full_branch, self._skip_branch,
+                                           (step.embeds, step.positions, step.full_mask))
+        elif not key.plan.never_full:
+            step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask)
+        self._finish(key, step)
+
+    @staticmethod
+    def _branches(plan) -> bool:
+        """Whether the step's Full pass depends on a device decision (else it always or never runs)."""
+        return plan.run_local and not plan.never_full
+
+    def _route(self, key: GraphKey, step: "_StepScratch") -> None:
+        """Embed, Local pass, head, decision and its record; leaves the Full pass's inputs in `step`."""
         state, plan = self.state, key.plan
         columns = bucket_columns(key.bucket, self.bucket_size, self.capacity)
         self._caches[FULL].full_columns = columns
-        embeds = self.embed(state.input_ids)
-        positions = state.valid_count[:, None].clone()  # 0-based position of the current valid token
+        step.embeds = embeds = self.embed(state.input_ids)
+        step.positions = state.valid_count[:, None].clone()  # 0-based position of the current valid token
         full_mask = (state.column_valid[:, :columns] & (self._column_index[:columns] <= state.cache_position))
-        full_mask = full_mask[:, None, None, :]
-        local_hidden = scores = None
+        step.full_mask = full_mask[:, None, None, :]
+        scores = None
         if plan.run_local:
-            local_hidden = self._decode(LOCAL, embeds, positions, oda_local=self.local,
-                                        oda_valid_count=state.valid_count,
-                                        oda_local_mask=self.local.visibility(state.valid_count))
+            step.local_hidden = self._decode(LOCAL, embeds, step.positions, oda_local=self.local,
+                                             oda_valid_count=state.valid_count,
+                                             oda_local_mask=self.local.visibility(state.valid_count))
         if plan.run_head:
-            scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], local_hidden)
+            scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], step.local_hidden)
         select_full = device_routing.decide(state, self._policy, plan, scores)
         # Rows whose history is within s + w read the same positions either way: they take Local (as on the
         # HF path). The head still runs here (static shapes), but its score is not recorded on steps where
@@ -414,16 +461,61 @@ class OdaStaticEngine:
             if scores is not None:
                 scores = torch.where(in_window.all(), torch.full_like(scores, float("nan")), scores)
         device_routing.record(state, select_full, scores, in_window)
-        if plan.run_local:
-            pred = select_full.any() if force is None else self._forced[force]
-            full_hidden = conditional(self.conditional, pred, self._full_branch, self._skip_branch,
-                                      (embeds, positions, full_mask))
-            hidden = torch.where(select_full[:, None], full_hidden, local_hidden)
-        else:
-            hidden = self._full_branch(embeds, positions, full_mask)
-        self._commit(select_full, with_full=not plan.never_full)
-        state.selected_hidden.copy_(hidden)
-        state.advance(select_full)
+        step.select_full, step.any_full = select_full, select_full.any()
+
+    def _full_part(self, key: GraphKey, step: "_StepScratch") -> None:
+        """The Full pass of a split step (conditional="host"), run only when some row recalls."""
+        self._caches[FULL].full_columns = bucket_columns(key.bucket, self.bucket_size, self.capacity)
+        step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask)
+
+    def _finish(self, key: GraphKey, step: "_StepScratch") -> None:
+        """Per row, the selected hidden state; commit its KV; advance the counters."""
+        plan = key.plan
+        if not plan.run_local:
+            hidden = step.full_hidden
+        elif plan.never_full or getattr(step, "full_hidden", None) is None:  # (a split step before any Full pass)
+            hidden = step.local_hidden
+        else:  # a split step whose Full pass did not run reads a stale full_hidden here, for rows it does not select
+            hidden = torch.where(step.select_full[:, None], step.full_hidden, step.local_hidden)
+        self._commit(step.select_full, with_full=not plan.never_full)
+        self.state.selected_hidden.copy_(hidden)
+        self.state.advance(step.select_full)
+
+    def _split_step(self, key: GraphKey) -> None:
+        """A step as parts, reading the decision on the host between them (conditional="host")."""
+        if self.graphs is None:
+            step = _StepScratch()
+            with torch.no_grad(), engine_attention(self.model.config):
+                self._route(key, step)
+                if bool(step.any_full):
+                    self._full_part(key, step)
+                self._finish(key, step)
+            return
+        step = self._split_scratch[key]  # the tensors the captured parts read and write
+        self.graphs.replay(key.with_part("route"))
+        if bool(step.any_full):  # the one host sync of the step
+            self.graphs.replay(key.with_part("full"))
+        self.graphs.replay(key.with_part("finish"))
+
+    def _capture_split(self, key: GraphKey) -> None:
+        """Warm the three parts up (Full included), then capture them in order, each reading the last's outputs."""
+        def run_parts(step, full: bool):
+            with torch.no_grad(), engine_attention(self.model.config):
+                self._route(key, step)
+                if full:
+                    self._full_part(key, step)
+                self._finish(key, step)
+
+        with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
+            self.graphs.warm_up(lambda: run_parts(_StepScratch(), full=True))
+        step = self._split_scratch[key] = _StepScratch()
+        with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
+            for part, body in (("route", self._route), ("full", self._full_part), ("finish", self._finish)):
+                self.graphs.capture(key.with_part(part), functools.partial(self._run_part, body, key, step))
+
+    def _run_part(self, body, key: GraphKey, step: "_StepScratch") -> None:
+        with torch.no_grad(), engine_attention(self.model.config):
+            body(key, step)
 
     def _decode(self, mode: str, embeds, positions, **attention_kwargs) -> torch.Tensor:
         return self._decoder_hidden(mode, embeds, positions, **attention_kwargs)[:, -1]
@@ -571,7 +663,7 @@ class OdaStaticEngine:
     def release(self) -> None:
         """Free the buffers and graphs. The model's attention implementation is already its own."""
         if self.graphs is not None:
-            self.graphs.clear()
+            self._clear_graphs()
         self.state = self.local = self._caches = None
         self._released = True
 

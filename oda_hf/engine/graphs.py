@@ -7,6 +7,13 @@ the same (the Full attention reads the bucket's first ``bucket * bucket_size`` c
 length mask), so one graph captured at any length of the bucket replays at all of them; replay only
 changes device tensors (position, counters, the current token).
 
+A step branches to Full in one of two ways. With ``conditional="cond"`` the branch is a `torch.cond`,
+captured as a CUDA-graph conditional (IF) node: one graph per key, nothing read back (needs torch >= 2.13).
+With ``conditional="host"`` the step is split into three graphs per key (``part``): ``route`` (Local,
+head, decision), ``full`` (the Full pass) and ``finish`` (select, commit, advance); the host reads the
+decision between ``route`` and ``full`` (one sync per step) and skips ``full`` when no row recalls.
+That runs on any torch with CUDA graphs.
+
 Only two calls here need a GPU: `torch.cuda.graph(...)` capture and ``graph.replay()``. Everything
 around them (which key, when to warm up and capture, the state transaction, replay bookkeeping) is
 shared with the ``emulate`` mode, whose "graph" re-runs the step eagerly, so CPU tests exercise it.
@@ -14,6 +21,7 @@ shared with the ``emulate`` mode, whose "graph" re-runs the step eagerly, so CPU
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +32,8 @@ from .routing import StepPlan
 
 DEFAULT_BUCKET_SIZE = 128
 GRAPH_MODES = ("eager", "emulate", "cuda")
-CONDITIONALS = ("eager", "cond")
+CONDITIONALS = ("eager", "cond", "host")
+STEP_PARTS = ("route", "full", "finish")  # the graphs of one key with conditional="host"
 
 
 # The dispatch modes that turn torch.cond into CUDA-graph IF nodes. torch 2.13 has them; 2.11 does not (seen on an
@@ -56,6 +65,10 @@ def bucket_columns(bucket: int, bucket_size: int, capacity: int) -> int:
 class GraphKey:
     bucket: int
     plan: StepPlan
+    part: str = "step"  # "step": the whole step (one graph); else one of STEP_PARTS
+
+    def with_part(self, part: str) -> "GraphKey":
+        return GraphKey(self.bucket, self.plan, part)
 
 
 def conditional(kind: str, pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple):
@@ -65,7 +78,8 @@ def conditional(kind: str, pred: torch.Tensor, true_fn: Callable, false_fn: Call
     mode it becomes a CUDA-graph conditional (IF) node, so the branch is chosen on the device. Run
     eagerly (CPU), `torch.cond` traces both branches with dynamo and reads `pred` to pick one.
     ``eager`` is a plain Python ``if`` on `pred` (a host read: only for eager execution, where the
-    device is the host or a sync is acceptable).
+    device is the host or a sync is acceptable). ``host`` splits the step around this point instead
+    (the engine's business), so it never reaches here.
     """
     if kind == "cond":
         return torch.cond(pred, true_fn, false_fn, operands)
@@ -84,12 +98,14 @@ class StepGraphs:
     wraps them and the capture in a state transaction); this class only captures and replays.
     """
 
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, conditional_nodes: bool = True):
         if mode not in ("emulate", "cuda"):
             raise ValueError(f"StepGraphs mode must be 'emulate' or 'cuda'; got {mode!r}.")
         if mode == "cuda" and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {device}.")
-        self.mode, self.device = mode, device
+        # conditional_nodes: capture torch.cond as IF nodes (conditional="cond"); without, bodies hold no torch.cond
+        # and capture needs nothing beyond torch.cuda.graph (so it works on torch < 2.13).
+        self.mode, self.device, self.conditional_nodes = mode, device, conditional_nodes
         self.graphs: dict[GraphKey, object] = {}
         self.captures: list[GraphKey] = []  # capture order (tests and the benchmark report it)
         self.replays: dict[GraphKey, int] = {}
@@ -107,13 +123,9 @@ class StepGraphs:
         if self.mode != "cuda":
             run()
             return
-        # As inductor's cudagraph trees do: under this mode a torch.cond is also stream-captured into a
-        # throwaway graph (both branches), so dynamo's trace of it exists before the real capture.
-        from torch._higher_order_ops.cudagraph_conditional_nodes import ControlFlowOpWarmupDispatchMode
-
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), ControlFlowOpWarmupDispatchMode():
+        with torch.cuda.stream(stream), self._warm_up_mode():
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
@@ -146,16 +158,30 @@ class StepGraphs:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _cuda_capture(self, body: Callable[[], None]):
+    def _warm_up_mode(self):
+        if not self.conditional_nodes:
+            return contextlib.nullcontext()
+        # As inductor's cudagraph trees do: under this mode a torch.cond is also stream-captured into a
+        # throwaway graph (both branches), so dynamo's trace of it exists before the real capture.
+        from torch._higher_order_ops.cudagraph_conditional_nodes import ControlFlowOpWarmupDispatchMode
+
+        return ControlFlowOpWarmupDispatchMode()
+
+    def _capture_mode(self):
+        if not self.conditional_nodes:
+            return contextlib.nullcontext()
         # torch's dispatch mode turns torch.cond into IF nodes of the graph being captured
         # (the mechanism inductor's cudagraph trees use). Needs CUDA >= 12.4 conditional nodes.
         from torch._higher_order_ops.cudagraph_conditional_nodes import CUDAGraphCaptureControlFlowOpDispatchMode
 
+        return CUDAGraphCaptureControlFlowOpDispatchMode()
+
+    def _cuda_capture(self, body: Callable[[], None]):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream(), capture_error_mode="thread_local"):
-            with CUDAGraphCaptureControlFlowOpDispatchMode():
+            with self._capture_mode():
                 body()
         return graph
