@@ -2,6 +2,8 @@
 
 * `local_attention_decode` (two kernels: block partials read in place from the sinks + ring
   workspace, then a stable softmax combine) / `local_attention_decode_reference`.
+* `full_attention_decode` (split-K Full attention over a static cache's columns with a device-side length,
+  merged by the Local kernel's combine) / `full_attention_decode_reference`.
 * `fused_commit` (selected current KV of all stacked layers into the full cache and the Local
   workspace, one launch) / `commit_reference`.
 
@@ -12,6 +14,13 @@ imported they run on CPU tensors through Triton's interpreter (for tests on smal
 
 from ._triton import HAS_TRITON
 from .commit import commit_reference, fused_commit, workspace_slot
+from .full_attention import (
+    SPLIT_POSITIONS,
+    allocate_full_scratch,
+    full_attention_decode,
+    full_attention_decode_reference,
+    num_full_splits,
+)
 from .local_attention import (
     BLOCK_POSITIONS,
     LocalAttentionScratch,
@@ -41,13 +50,18 @@ __all__ = [
     "BLOCK_POSITIONS",
     "HAS_TRITON",
     "LocalAttentionScratch",
+    "SPLIT_POSITIONS",
+    "allocate_full_scratch",
     "allocate_local_scratch",
     "commit_reference",
+    "full_attention_decode",
+    "full_attention_decode_reference",
     "fused_commit",
     "kernels_interpreted",
     "local_attention_decode",
     "local_attention_decode_reference",
     "local_visible_slots",
+    "num_full_splits",
     "num_local_blocks",
     "workspace_slot",
 ]

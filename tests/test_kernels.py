@@ -477,6 +477,78 @@ def test_decode_loop_commit_and_local_attention_agree_with_logical_history():
                 assert torch.equal(ws_v[layer, b, :, slot], values[:, p])
 
 
+# ------------------------------------------------------------------------------------------------
+# Full attention (split-K) over a static cache
+# ------------------------------------------------------------------------------------------------
+def make_full_case(columns, capacity, position, pads, q_heads, kv_heads, head_dim, dtype, seed=0):
+    """A cache of `capacity` columns whose columns after `position` and padding columns hold NaN."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(pads)
+    q = torch.randn(batch, q_heads, 1, head_dim, generator=g).to(dtype)
+    cache_k, cache_v = (torch.randn(batch, kv_heads, capacity, head_dim, generator=g).to(dtype) for _ in range(2))
+    valid = torch.ones(batch, capacity, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        valid[row, :pad] = False
+    for cache in (cache_k, cache_v):
+        cache[:, :, position + 1:] = float("nan")  # unwritten: must never be read
+        cache.masked_fill_(~valid[:, None, :, None], float("nan"))
+    return q, cache_k[:, :, :columns], cache_v[:, :, :columns], valid, torch.tensor([position])
+
+
+def dense_full_attention(q, keys, values, valid, position, scale):
+    """Softmax over the explicitly listed visible columns of each row (independent of the reference)."""
+    group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(q.shape[0]):
+        cols = [c for c in range(keys.shape[2]) if c <= int(position) and bool(valid[b, c])]
+        for h in range(q.shape[1]):
+            k, v = keys[b, h // group, cols].float(), values[b, h // group, cols].float()
+            out[b, h, 0] = torch.softmax(q[b, h, 0].float() @ k.T * scale, dim=-1) @ v
+    return out
+
+
+FULL_CASES = {  # columns, capacity, position, left pads per row, hq, hkv, d
+    "one split, GQA 4": (48, 64, 40, (0, 5), 8, 2, 16),
+    "several splits, MHA": (600, 640, 555, (0, 300), 2, 2, 8),
+    "position at the last column": (64, 64, 63, (3,), 7, 1, 24),
+    "position on a split boundary": (520, 520, 256, (0,), 4, 2, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(FULL_CASES))
+def test_full_reference_matches_dense(name):
+    columns, capacity, position, pads, hq, hkv, d = FULL_CASES[name]
+    q, keys, values, valid, pos = make_full_case(columns, capacity, position, pads, hq, hkv, d, torch.float32)
+    got = K.full_attention_decode_reference(q, keys, values, valid, pos, d ** -0.5)
+    torch.testing.assert_close(got.float(), dense_full_attention(q, keys, values, valid, pos, d ** -0.5),
+                               **TOL[torch.float32])
+
+
+@triton_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FULL_CASES))
+def test_full_kernel_matches_reference(name, dtype):
+    columns, capacity, position, pads, hq, hkv, d = FULL_CASES[name]
+    q, keys, values, valid, pos = make_full_case(columns, capacity, position, pads, hq, hkv, d, dtype, seed=3)
+    scratch = K.allocate_full_scratch(len(pads), hq, d, capacity, "cpu")  # sized for the capacity, reused
+    out = torch.empty(len(pads), hq, 1, d, dtype=dtype)
+    got = K.full_attention_decode(q, keys, values, valid, pos, d ** -0.5, out=out, scratch=scratch)
+    assert got is out
+    want = K.full_attention_decode_reference(q, keys, values, valid, pos, d ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    assert K.num_full_splits(columns) == -(-columns // K.SPLIT_POSITIONS)
+
+
+def test_full_kernel_shape_errors():
+    q, keys, values, valid, pos = make_full_case(48, 64, 40, (0,), 8, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        K.full_attention_decode_reference(q[:, :7], keys, values, valid, pos, 0.25)
+    with pytest.raises(ValueError, match="column_valid"):
+        K.full_attention_decode_reference(q, keys, values, valid[:, :10], pos, 0.25)
+    with pytest.raises(ValueError, match="position"):
+        K.full_attention_decode_reference(q, keys, values, valid, torch.tensor([1.0]), 0.25)
+
+
 @pytest.mark.skipif(INTERPRETED or not K.HAS_TRITON, reason="the Triton tests ran in this process")
 def test_triton_tests_in_fresh_process():
     """Triton was imported before TRITON_INTERPRET=1 here: run this file where it is set from the start."""
@@ -518,6 +590,16 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
         K.fused_commit(*bufs, bufs[2][:, :, :, -1:], bufs[3][:, :, :, -1:], fk, fv, sel, pos, counts, s, w)
         K.commit_reference(*ref, ref[2][:, :, :, -1:], ref[3][:, :, :, -1:], fk, fv, sel, pos, counts, s, w)
         assert all(torch.equal(a, b) for a, b in zip(bufs, ref))
+    for columns, position, hq, hkv, d in ((16384, 16000, 14, 2, 64), (300, 299, 8, 8, 128), (40, 17, 4, 1, 24)):
+        B = 3
+        q = torch.randn(B, hq, 1, d, device=dev, dtype=dtype)
+        keys, values = (torch.randn(B, hkv, columns + 8, d, device=dev, dtype=dtype)[:, :, :columns] for _ in range(2))
+        valid = torch.ones(B, columns + 8, dtype=torch.bool, device=dev)
+        valid[1, :columns // 3] = False
+        pos = torch.tensor([position], device=dev)
+        got = K.full_attention_decode(q, keys, values, valid, pos, d ** -0.5)
+        want = K.full_attention_decode_reference(q, keys, values, valid, pos, d ** -0.5)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 print("ok")
 """
 

@@ -33,7 +33,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..kernels import (
+    allocate_full_scratch,
     allocate_local_scratch,
+    full_attention_decode,
     local_attention_decode,
     local_attention_decode_reference,
     local_visible_slots,
@@ -49,14 +51,13 @@ PREFILL, LOCAL, FULL, VERIFY = "prefill", "local", "full", "verify"
 # Attention function
 # ------------------------------------------------------------------------------------------------
 def engine_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Local: the Local backend over the workspace. Full: SDPA over the bucket's columns with a length mask."""
+    """Local: the Local backend over the workspace. Full: the Full backend over the bucket's columns."""
     mode = kwargs.get("oda_mode")
     if mode == LOCAL:
         return kwargs["oda_local"](module, query, key, value, kwargs["oda_valid_count"], kwargs.get("oda_local_mask"),
                                    scaling), None
     if mode == FULL:
-        return sdpa_attention_forward(module, query, key, value, kwargs["oda_full_mask"], dropout=0.0,
-                                      scaling=scaling, is_causal=False)
+        return kwargs["oda_full"](module, query, key, value, kwargs["oda_full_mask"], scaling), None
     if mode == VERIFY:  # several tokens with a causal mask: query heads stacked per KV group (no K/V copies)
         return packed_sdpa_forward(module, query, key, value, kwargs["oda_full_mask"], scaling=scaling)
     raise RuntimeError(
@@ -128,6 +129,36 @@ class LocalAttention:
         else:
             out = local_attention_decode_reference(query, ws_keys, ws_values, current_k, current_v, valid_count,
                                                    self.sinks, self.window, scale)
+        return out.transpose(1, 2)
+
+
+class FullAttention:
+    """The Full pass's attention over the current bucket's cache columns (current token written at its column).
+
+    * ``triton``: `kernels.full_attention_decode`, split-K over the columns with the length and padding read
+      from the device (``cache_position``, ``column_valid``); one scratch for all layers (they run in turn);
+    * otherwise SDPA with the engine's bool mask ``[B, 1, 1, columns]``. At batch 1 SDPA's masked decode runs
+      one program per (row, head) over the whole history, which leaves most of a GPU idle at long context.
+
+    Returns the HF attention layout ``[B, 1, Hq, Dv]``.
+    """
+
+    def __init__(self, backend: str, state: EngineState, *, layers: int, q_heads: int, head_dim_v: int):
+        self.backend, self.state = backend, state
+        self.scratch = self.outputs = None
+        if backend == "triton":
+            batch, device = state.batch_size, state.cache_keys.device
+            self.scratch = allocate_full_scratch(batch, q_heads, head_dim_v, state.capacity, device)
+            self.outputs = [torch.empty(batch, q_heads, 1, head_dim_v, dtype=state.cache_keys.dtype, device=device)
+                            for _ in range(layers)]
+
+    def __call__(self, module, query, keys, values, full_mask, scaling):
+        if self.backend != "triton":
+            return sdpa_attention_forward(module, query, keys, values, full_mask, dropout=0.0, scaling=scaling,
+                                          is_causal=False)[0]
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        out = full_attention_decode(query, keys, values, self.state.column_valid, self.state.cache_position, scale,
+                                    out=self.outputs[module.layer_idx], scratch=self.scratch)
         return out.transpose(1, 2)
 
 

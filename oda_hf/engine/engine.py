@@ -39,6 +39,7 @@ from .attention import (
     PREFILL,
     VERIFY,
     EngineCache,
+    FullAttention,
     LocalAttention,
     engine_attention,
     register_engine_attention,
@@ -88,10 +89,11 @@ class OdaStaticEngine:
         max_length: longest request, prompt (or loaded history) plus generated tokens.
         batch_size: rows per request (fixed: buffers have static shapes).
         bucket_size: graphs are reused within lengths ``ceil(L / bucket_size)`` (paper: 128).
-        kernels: Local attention and commit backend (`attention.LocalAttention`): ``"triton"`` (direct-ring
-            kernel + fused commit; default on CUDA when Triton is installed; on CPU only under
-            ``TRITON_INTERPRET=1``, for tiny tests), ``"sdpa"`` (masked SDPA over the workspace + PyTorch
-            commit; default otherwise) or ``"reference"`` (the kernels' PyTorch reference + PyTorch commit).
+        kernels: attention and commit backend (`attention.LocalAttention`, `attention.FullAttention`):
+            ``"triton"`` (direct-ring Local kernel, split-K Full kernel, fused commit; default on CUDA when
+            Triton is installed; on CPU only under ``TRITON_INTERPRET=1``, for tiny tests), ``"sdpa"`` (masked
+            SDPA + PyTorch commit; default otherwise) or ``"reference"`` (the Local kernel's PyTorch reference,
+            SDPA for Full, PyTorch commit).
         graph_mode: ``"cuda"`` (capture CUDA graphs; default on CUDA), ``"eager"`` (default elsewhere),
             or ``"emulate"`` (graph bookkeeping with eager re-execution; for CPU tests).
         conditional: how the step branches to Full: ``"cond"`` (`torch.cond`, a CUDA-graph IF node: nothing
@@ -138,6 +140,7 @@ class OdaStaticEngine:
             device=self.device)
         self.local = LocalAttention(self.kernels, self.ws_sinks, self.ws_window, layers=layers, batch=batch_size,
                                     q_heads=q_heads, head_dim_v=head_dim, dtype=self.dtype, device=self.device)
+        self.full = FullAttention(self.kernels, self.state, layers=layers, q_heads=q_heads, head_dim_v=head_dim)
         self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL, VERIFY)}
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
@@ -522,7 +525,7 @@ class OdaStaticEngine:
 
     def _full_branch(self, embeds, positions, full_mask):
         # A fresh tensor: torch.cond outputs must not alias inputs or buffers.
-        return self._decode(FULL, embeds, positions, oda_full_mask=full_mask).clone()
+        return self._decode(FULL, embeds, positions, oda_full=self.full, oda_full_mask=full_mask).clone()
 
     def _skip_branch(self, embeds, positions, full_mask):
         return embeds.new_zeros(embeds.shape[0], embeds.shape[-1])
@@ -664,7 +667,7 @@ class OdaStaticEngine:
         """Free the buffers and graphs. The model's attention implementation is already its own."""
         if self.graphs is not None:
             self._clear_graphs()
-        self.state = self.local = self._caches = None
+        self.state = self.local = self.full = self._caches = None
         self._released = True
 
     def __enter__(self) -> "OdaStaticEngine":
