@@ -53,3 +53,8 @@ if __name__ == "__main__":
     if int(os.environ.get("RANK", "0")) == 0:
         safetensors.torch.save_file({f"{reduction}/{name}": tensor for reduction, state in results.items()
                                      for name, tensor in state.items()}, sys.argv[1])
+    # Tear the process group down before interpreter exit: left to exit-time destructors, gloo's threads
+    # sometimes abort the process ("terminate called without an active exception", SIGABRT).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -221,10 +221,11 @@ def test_two_process_data_parallel_equals_one_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), ddp_head_worker.__file__, str(out)],
-        capture_output=True, text=True, timeout=300, env=env)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), ddp_head_worker.__file__, str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0 and "SIGABRT" in proc.stderr:  # a rare abort at process teardown, not a result: once more
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = {}
     for key, tensor in safetensors.torch.load_file(out).items():
