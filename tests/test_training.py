@@ -378,3 +378,19 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "out"))
     assert model.oda_config.window == 3 and model.recall_head.config.head_width == 8
+
+
+def test_fetched_or_shipped_base_is_recorded_by_short_name(tmp_path):
+    """A base loaded from a known folder (the shipped organism here; fetched bases alike) is recorded by its short
+    name, so a shared head's record names no machine path; a checkpoint that recorded the path still resumes."""
+    from oda_hf.known_models import organism_dir
+    from oda_hf.organism.demo import load_organism
+    from oda_hf.training.trainer import _differences
+
+    model, _, _ = load_organism()
+    trainer = OdaTrainer(model=model, args=_args(tmp_path / "run", max_steps=1),
+                         train_dataset=PackedDataset(_rows([14, 12])))
+    assert trainer.supervision_settings["base_model"] == "organism"
+    saved = {**trainer.supervision_settings, "base_model": organism_dir("backbone")}
+    assert _differences(saved, trainer.supervision_settings) == []
+    assert _differences({**saved, "base_model": "/elsewhere/base"}, trainer.supervision_settings)

@@ -48,6 +48,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import OdaConfig
 from ..files import publish_files, staging_folder
+from ..known_models import short_name_of
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -174,6 +175,8 @@ def last_complete_checkpoint(folder: str, clean: bool = True) -> str | None:
 
 
 def _differences(saved: dict, current: dict) -> list[str]:
+    if saved.get("base_model"):  # checkpoints written before bases were recorded by short name hold the path
+        saved = {**saved, "base_model": short_name_of(saved["base_model"]) or saved["base_model"]}
     return [f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 
@@ -268,8 +271,9 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
+        base_path = getattr(model.config, "_name_or_path", None) or None
         self.supervision_settings = {
-            "base_model": getattr(model.config, "_name_or_path", None) or None,
+            "base_model": short_name_of(base_path) or base_path,  # a fetched base by its short name, not this machine's path
             "sinks": self.oda_sinks, "window": self.oda_window, "oda_lambda": args.oda_lambda,
             "tau_hist": args.oda_tau_hist, "loss_reduction": args.oda_loss_reduction, **(supervision_settings or {}),
         }
