@@ -6,7 +6,7 @@ Per layer, batch 1 by default, Qwen2.5-Coder-0.5B's attention shape (14 query he
 Times are CUDA-event medians over `--repeats` calls after warm-up. CUDA only.
 
   python benchmarks/full_decode_kernel.py --lengths 16384,32768
-  python benchmarks/full_decode_kernel.py --splits 128,256,512 --blocks 16,32
+  python benchmarks/full_decode_kernel.py --splits 128,256,512 --blocks 16,32 --dot
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--splits", default="256", help="columns per program (comma list)")
     parser.add_argument("--blocks", default="16", help="columns per inner iteration (comma list)")
+    parser.add_argument("--dot", action="store_true", help="also the tensor-core (tl.dot) variant of each setting")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,15 +67,17 @@ def main(argv=None) -> int:
         want = full_attention_decode_reference(q, keys, values, valid, position, scale).float()
         for split in map(int, args.splits.split(",")):
             for block in map(int, args.blocks.split(",")):
-                scratch = allocate_full_scratch(b, hq, d, columns, device, split)
-                out = torch.empty(b, hq, 1, d, device=device, dtype=dtype)
+                for use_dot in (False, True) if args.dot else (False,):
+                    scratch = allocate_full_scratch(b, hq, d, columns, device, split)
+                    out = torch.empty(b, hq, 1, d, device=device, dtype=dtype)
 
-                def kernel(split=split, block=block, scratch=scratch, out=out):
-                    return full_attention_decode(q, keys, values, valid, position, scale, out=out, scratch=scratch,
-                                                 split_positions=split, block_positions=block)
+                    def kernel(split=split, block=block, scratch=scratch, out=out, use_dot=use_dot):
+                        return full_attention_decode(q, keys, values, valid, position, scale, out=out,
+                                                     scratch=scratch, split_positions=split, block_positions=block,
+                                                     use_dot=use_dot)
 
-                torch.testing.assert_close(kernel().float(), want, atol=1e-2, rtol=1e-2)
-                arms[f"split-K kernel (split {split}, block {block})"] = kernel
+                    torch.testing.assert_close(kernel().float(), want, atol=1e-2, rtol=1e-2)
+                    arms[f"split-K kernel (split {split}, block {block}{', tl.dot' if use_dot else ''})"] = kernel
         base = None
         for name, fn in arms.items():
             ms = timed(fn, args.repeats)

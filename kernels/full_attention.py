@@ -92,9 +92,12 @@ if HAS_TRITON:
         s_ab, s_ah, s_an, s_ad,
         GROUP: tl.constexpr, HEAD_DIM_K: tl.constexpr, HEAD_DIM_V: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
     ):
-        """Online-softmax partials of one (row, KV head, split of SPLIT columns) for its GROUP q heads."""
+        """Online-softmax partials of one (row, KV head, split of SPLIT columns) for its GROUP q heads.
+
+        USE_DOT: the two products as `tl.dot` (tensor cores; blocks padded to 16; K/V and the probabilities in the
+        cache's dtype, FP32 accumulation, IEEE FP32 products for an FP32 cache) instead of FP32 elementwise sums."""
         pid_bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = pid_bh // kv_heads
@@ -119,17 +122,24 @@ if HAS_TRITON:
             in_range = (c < columns) & (c <= position)
             ok = in_range & (tl.load(valid_ptr + b * s_cb + c * s_cc, mask=in_range, other=0) != 0)
             k = tl.load(k_ptr + b * s_kb + kvh * s_kh + c[:, None] * s_kc + dk[None, :] * s_kd,
-                        mask=ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
+                        mask=ok[:, None] & dk_ok[None, :], other=0.0)
             v = tl.load(v_ptr + b * s_vb + kvh * s_vh + c[:, None] * s_vc + dv[None, :] * s_vd,
-                        mask=ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
+                        mask=ok[:, None] & dv_ok[None, :], other=0.0)
+            if USE_DOT:
+                scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
+            else:
+                k = k.to(tl.float32)
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
             scores = tl.where(ok[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             rescale = tl.exp(running_max - shift)  # 0 while nothing was visible (running_max = -inf)
             weights = tl.exp(scores - shift[:, None])  # exactly 0 where masked
             running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+            if USE_DOT:
+                acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             running_max = new_max
 
         part = b * s_mb + heads * s_mh + split * s_mn
@@ -142,7 +152,7 @@ if HAS_TRITON:
 def full_attention_decode(q, keys, values, column_valid, position, scale: float, *,
                           out: torch.Tensor | None = None, scratch: LocalAttentionScratch | None = None,
                           split_positions: int = SPLIT_POSITIONS,
-                          block_positions: int = FULL_BLOCK_POSITIONS) -> torch.Tensor:
+                          block_positions: int = FULL_BLOCK_POSITIONS, use_dot: bool = False) -> torch.Tensor:
     """Full attention of one decode token per row over cache columns ``[0, columns)`` (split-K).
 
     Args:
@@ -151,6 +161,8 @@ def full_attention_decode(q, keys, values, column_valid, position, scale: float,
         position: one-element integer tensor on the device, the current token's column: columns after it are
             not read. Never copied to the host.
         split_positions, block_positions: columns per program, and per inner iteration (a power of two).
+        use_dot: tensor-core products (`tl.dot`, blocks of at least 16); the elementwise form is what was measured on
+            a GPU (benchmarks/full_decode_kernel.py compares them).
         out: optional ``[batch, q_heads, 1, head_dim_v]`` buffer; scratch: `allocate_full_scratch` for at least
             these columns (else allocated per call).
 
@@ -158,6 +170,8 @@ def full_attention_decode(q, keys, values, column_valid, position, scale: float,
     """
     require_triton("full_attention_decode")
     batch, q_heads, kv_heads, head_dim, head_dim_v, columns = _check_shapes(q, keys, values, column_valid, position)
+    if use_dot:
+        block_positions = max(block_positions, 16)  # tl.dot needs every dimension >= 16
     if block_positions < 1 or block_positions & (block_positions - 1) or split_positions % block_positions:
         raise ValueError(f"block_positions must be a power of two dividing split_positions; got {block_positions}, "
                          f"{split_positions}.")
@@ -184,8 +198,9 @@ def full_attention_decode(q, keys, values, column_valid, position, scale: float,
         *column_valid.stride(),
         *m.stride(), *a.stride(),
         GROUP=group, HEAD_DIM_K=head_dim, HEAD_DIM_V=head_dim_v,
-        BLOCK_G=next_power_of_2(group), BLOCK_N=block_positions,
-        BLOCK_DK=next_power_of_2(head_dim), BLOCK_DV=next_power_of_2(head_dim_v), SPLIT=split_positions,
+        BLOCK_G=max(next_power_of_2(group), 16 if use_dot else 1), BLOCK_N=block_positions,
+        BLOCK_DK=max(next_power_of_2(head_dim), 16 if use_dot else 1),
+        BLOCK_DV=max(next_power_of_2(head_dim_v), 16 if use_dot else 1), SPLIT=split_positions, USE_DOT=use_dot,
     )
     _local_combine_kernel[(batch * q_heads,)](
         m, l, a, out,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What only a CUDA GPU can check, in one run: the tests that skip without one (compiled Triton kernels against the
-# PyTorch reference, the engine's CUDA graphs against the Transformers path, exact mode with captured drafts), then
-# decode speed at long context (benchmarks/engine_throughput.py --device cuda) for the bases with shipped heads.
+# PyTorch reference, the engine's CUDA graphs against the Transformers path, exact mode with captured drafts), the
+# Full decode kernel's settings (benchmarks/full_decode_kernel.py), then decode speed at long context
+# (benchmarks/engine_throughput.py --device cuda) for the bases with shipped heads.
 # Logs and tables go to $OUT (default gpu-results/). Each step has its own time limit; a failing step does not stop
 # the next. Run from the repository root with oda_hf installed (`pip install --no-deps -e .`: the package maps
 # oda_hf.kernels onto kernels/, so the source tree on PYTHONPATH is not enough):
@@ -9,7 +10,7 @@
 #   STEPS="tests" bash scripts/gpu_checks.sh                     # only the tests
 #   MODELS="qwen2.5-coder-0.5b" LENGTHS=16384 bash scripts/gpu_checks.sh
 set -uo pipefail
-OUT=${OUT:-gpu-results}; STEPS=${STEPS:-"tests bench"}
+OUT=${OUT:-gpu-results}; STEPS=${STEPS:-"tests kernel bench"}
 MODELS=${MODELS:-"qwen2.5-coder-0.5b gemma3-270m"}; LENGTHS=${LENGTHS:-16384,32768}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,6 +29,10 @@ if has tests; then
     tests/test_engine.py::test_cuda_graph_capture_leaves_state_bit_identical \
     tests/test_engine.py::test_graph_mode_without_conditional_nodes \
     tests/test_exact_engine.py::test_engine_exact_on_gpu_equals_stock 2>&1 | tee "$OUT/tests.log"
+fi
+if has kernel; then  # the split-K Full kernel's settings (and its tl.dot variant) against SDPA, per layer
+  timeout "${KERNEL_TIMEOUT:-120}" "$py" benchmarks/full_decode_kernel.py --lengths "$LENGTHS" --splits 128,256 \
+    --blocks 16,32,64 --dot --repeats 30 2>&1 | tee "$OUT/kernel.md"
 fi
 if has bench; then
   for model in $MODELS; do  # each base's Local window: Qwen's head profile, Gemma's native sliding window
