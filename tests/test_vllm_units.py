@@ -10,7 +10,12 @@ import torch
 from oda_hf.vllm import engine_args
 from oda_hf.vllm.attention import local_positions, paged_local_attention
 from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
-from oda_hf.vllm.settings import SERVES_HEAD_ENV, check_request_admissible, note_served_head
+from oda_hf.vllm.settings import (
+    SERVES_HEAD_ENV,
+    check_request_admissible,
+    note_served_head,
+    note_served_head_from_config,
+)
 
 DEFAULT = RequestRouting(policy="head", threshold=0.2)
 
@@ -64,6 +69,29 @@ def test_admission_refuses_head_requests_to_a_headless_server(monkeypatch):
         check_request_admissible({"oda_policy": "sometimes"})
     note_served_head(True)
     note_served_head(False)  # sticky: some engine of this process has a head
+    check_request_admissible({"oda_policy": "head"})
+
+
+def test_a_hand_started_server_learns_its_head_from_the_model_config(monkeypatch):
+    """The server middleware reads the served model's ``oda`` override (as vLLM's API server holds it in
+    ``app.state.vllm_config``) when no engine_args call recorded it."""
+    from types import SimpleNamespace
+
+    def config(oda):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(oda=oda)))
+
+    monkeypatch.setenv(SERVES_HEAD_ENV, "")
+    monkeypatch.delenv(SERVES_HEAD_ENV)
+    note_served_head_from_config(None)  # not vLLM's server: nothing known, nothing refused
+    note_served_head_from_config(config(None))
+    check_request_admissible({"oda_policy": "head"})
+    note_served_head_from_config(config({"head": None, "sinks": 4, "window": 64}))
+    with pytest.raises(ValueError, match="needs the recall head"):
+        check_request_admissible({"oda_policy": "head"})
+    monkeypatch.delenv(SERVES_HEAD_ENV)
+    note_served_head_from_config(config({"head": "/heads/h", "sinks": 4, "window": 64}))
+    check_request_admissible({"oda_policy": "budget:0.25"})
+    note_served_head_from_config(config({"head": None}))  # already known: unchanged
     check_request_admissible({"oda_policy": "head"})
 
 

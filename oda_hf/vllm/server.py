@@ -43,7 +43,10 @@ async def oda_routing_middleware(request, call_next):
     from starlette.responses import JSONResponse, Response
 
     from .requests import pooled
+    from .settings import note_served_head_from_config
 
+    # Before admission checks this request: a server started by hand has not yet recorded whether it has a head.
+    note_served_head_from_config(getattr(request.app.state, "vllm_config", None))
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
         records = await _records(request.app)

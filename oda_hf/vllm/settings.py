@@ -22,6 +22,17 @@ def note_served_head(has_head: bool) -> None:
     os.environ[SERVES_HEAD_ENV] = "1" if has_head or os.environ.get(SERVES_HEAD_ENV) == "1" else "0"
 
 
+def note_served_head_from_config(vllm_config) -> None:
+    """For a server started by hand (``vllm.entrypoints.openai.api_server --hf-overrides '{"oda": ...}'``, not through
+    `engine_args`): record whether it serves a head from its model's ``oda`` override, unless already known."""
+    if os.environ.get(SERVES_HEAD_ENV) in ("0", "1"):
+        return
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    settings = getattr(hf_config, "oda", None)
+    if isinstance(settings, dict):
+        note_served_head(bool(settings.get("head")))
+
+
 def check_request_admissible(extra_args: dict | None) -> None:
     """ValueError for a request this process's engines cannot serve: invalid ODA knobs, or a policy that needs the
     recall head when every engine configured here runs without one (it would otherwise fail inside a model step,
