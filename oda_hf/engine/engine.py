@@ -413,7 +413,8 @@ class OdaStaticEngine:
         self._split_scratch.clear()
 
     def _captured(self, key: GraphKey) -> bool:
-        return (key.with_part("route") if self.conditional == "host" and self._branches(key.plan) else key) in self.graphs
+        split = self.conditional == "host" and self._branches(key.plan)
+        return (key.with_part("route") if split else key) in self.graphs
 
     # -- the step ------------------------------------------------------------------------------------
     def _run_step(self, key: GraphKey, force: bool | None = None) -> None:
@@ -487,12 +488,7 @@ class OdaStaticEngine:
     def _split_step(self, key: GraphKey) -> None:
         """A step as parts, reading the decision on the host between them (conditional="host")."""
         if self.graphs is None:
-            step = _StepScratch()
-            with torch.no_grad(), engine_attention(self.model.config):
-                self._route(key, step)
-                if bool(step.any_full):
-                    self._full_part(key, step)
-                self._finish(key, step)
+            self._run_parts(key, _StepScratch())
             return
         step = self._split_scratch[key]  # the tensors the captured parts read and write
         self.graphs.replay(key.with_part("route"))
@@ -500,17 +496,18 @@ class OdaStaticEngine:
             self.graphs.replay(key.with_part("full"))
         self.graphs.replay(key.with_part("finish"))
 
+    def _run_parts(self, key: GraphKey, step: "_StepScratch", full: bool | None = None) -> None:
+        """Route, the Full pass (if `full`; None: if some row recalls, read on the host), finish; eagerly."""
+        with torch.no_grad(), engine_attention(self.model.config):
+            self._route(key, step)
+            if bool(step.any_full) if full is None else full:
+                self._full_part(key, step)
+            self._finish(key, step)
+
     def _capture_split(self, key: GraphKey) -> None:
         """Warm the three parts up (Full included), then capture them in order, each reading the last's outputs."""
-        def run_parts(step, full: bool):
-            with torch.no_grad(), engine_attention(self.model.config):
-                self._route(key, step)
-                if full:
-                    self._full_part(key, step)
-                self._finish(key, step)
-
         with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
-            self.graphs.warm_up(lambda: run_parts(_StepScratch(), full=True))
+            self.graphs.warm_up(lambda: self._run_parts(key, _StepScratch(), full=True))
         step = self._split_scratch[key] = _StepScratch()
         with self.state.preserved(self._length, self.ws_sinks, self.ws_window):
             for part, body in (("route", self._route), ("full", self._full_part), ("finish", self._finish)):
