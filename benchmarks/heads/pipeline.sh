@@ -13,6 +13,7 @@ RUN=${RUN:-runs/$PROFILE}; STEPS=${STEPS:-"fetch data cache train calibrate test
 export OMP_NUM_THREADS=1  # one thread per job is faster than two on a busy 2-core machine
 oda=(oda); py=(python)
 cap=(); [ -n "${MAX_NEW:-}" ] && cap=(--max-new-tokens "$MAX_NEW")  # output cap of every prompt, if the profile sets one
+width=(); [ -n "${HEAD_WIDTH:-}" ] && width=(--head-width "$HEAD_WIDTH")  # head tower width, if not hidden / 2
 chat=(); plain=(--no-chat-template)  # evaluation flag / prompt-writing flag
 [ "$CHAT" = 1 ] && { chat=(--chat-template); plain=(); }
 mkdir -p "$RUN"
@@ -33,7 +34,8 @@ fi
 has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jsonl" --output "$RUN/cache" \
   --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$SEQ_LEN" --rows-per-shard 8 --threads 1
 has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" \
-  --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
+  --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 "${width[@]}" \
+  --threads "${TRAIN_THREADS:-1}"; }
 has calibrate && "${oda[@]}" calibrate --base "$BASE" --head "$RUN/head" --data "$RUN/ruler-dev/kjv/$DEV_LENGTH" \
   --within-full 2 --grid $GRID "${chat[@]}" "${cap[@]}" --out "$RUN/calibrate-dev" --threads 1
 if has test; then  # every policy of a prompt shares one Full prefill; THETA: the calibrated threshold
