@@ -246,6 +246,18 @@ def test_cli_writes_a_suite(tmp_path, capsys):
     assert last_line.startswith("oda ruler: error:") and "valid tasks: niah_single_1" in last_line
 
 
+def test_manifest_names_a_known_base_by_its_short_name(tmp_path, monkeypatch):
+    """`--tokenizer NAME` resolves to a folder on this machine; the manifest records the name, not the folder."""
+    import oda_hf.known_models as known_models
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    folder = str(tmp_path / "tok")
+    monkeypatch.setattr(known_models, "short_name_of", lambda path: "tiny-base" if path == folder else None)
+    assert main(["ruler", "--tokenizer", folder, "--lengths", "1024", "--n", "1", "--tasks", "vt", "--max-positions",
+                 "2048", "--out", str(tmp_path / "suite"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "suite" / "manifest.json").read_text())["tokenizer"] == "tiny-base"
+
+
 def test_bad_inputs_have_clear_errors(tok):
     with pytest.raises(ValueError, match=r"max_position_embeddings=2048.*longest usable length for niah_single_1 is 1920"):
         ruler_synth.generate_suite(tok, tasks=["niah_single_1"], lengths=[2000], max_position_embeddings=2048)

@@ -748,7 +748,10 @@ def _run_ruler(args, UsageError, load_tokenizer) -> int:
         raise UsageError(str(err)) from None
     seconds = time.perf_counter() - started
     # No timing in the manifest: the same command writes the same bytes (a rerun after a kill included).
-    manifest = {"tokenizer": args.tokenizer, "lengths": args.lengths, "split": args.split, "n": args.n,
+    from ..known_models import short_name_of
+
+    tokenizer_name = short_name_of(args.tokenizer) or args.tokenizer  # a fetched base by name, not this machine's path
+    manifest = {"tokenizer": tokenizer_name, "lengths": args.lengths, "split": args.split, "n": args.n,
                 "haystack": args.haystack, "tasks": args.tasks or list(TASK_NAMES), "seed": args.seed,
                 "max_position_embeddings": max_positions, "chat_template": not args.no_chat_template,
                 "tolerance": args.tolerance, "wonderwords": wonderwords_version()}
