@@ -356,15 +356,13 @@ class OdaStaticEngine:
         self.state.input_ids.copy_(input_ids.reshape(self.batch_size, 1))
         key = self.graph_key()
         try:
-            if self.conditional == "host" and self._branches(key.plan):
-                if self.graphs is not None and key.with_part("route") not in self.graphs:
-                    self._capture_split(key)
+            if self.graphs is not None and not self._captured(key):
+                self._capture(key)
+            if self._split(key.plan):
                 self._split_step(key)
             elif self.graphs is None:
                 self._run_step(key)
             else:
-                if key not in self.graphs:
-                    self._capture(key)
                 self.graphs.replay(key)
         except BaseException:
             self._plan = None  # a half-run step may have written the ring: the request cannot continue
@@ -399,7 +397,7 @@ class OdaStaticEngine:
         Every trial starts from the committed state (a second warm-up must not see the first one's
         advanced position), and none of them advances the request's history.
         """
-        if self.conditional == "host" and self._branches(key.plan):
+        if self._split(key.plan):
             self._capture_split(key)
             return
         for force in ((True, False) if key.plan.run_local else (None,)):
@@ -413,8 +411,11 @@ class OdaStaticEngine:
         self._split_scratch.clear()
 
     def _captured(self, key: GraphKey) -> bool:
-        split = self.conditional == "host" and self._branches(key.plan)
-        return (key.with_part("route") if split else key) in self.graphs
+        return (key.with_part("route") if self._split(key.plan) else key) in self.graphs
+
+    def _split(self, plan) -> bool:
+        """Whether steps of `plan` run as route/full/finish parts (conditional="host" and a branching plan)."""
+        return self.conditional == "host" and self._branches(plan)
 
     # -- the step ------------------------------------------------------------------------------------
     def _run_step(self, key: GraphKey, force: bool | None = None) -> None:
