@@ -355,3 +355,86 @@ def test_preemption_resumes_from_a_full_prefill(gqa3, tmp_path):
         else:
             assert routing["full_calls"] == 0
     assert min(o["routing"]["routed_steps"] for o in outputs) < 59, "no request was preempted: the test saw nothing"
+
+
+# ------------------------------------------------------------------------------------------------
+# A window-global hybrid: Gemma 3 (sliding-window layers keep their native window; Local restricts the global ones)
+# ------------------------------------------------------------------------------------------------
+GEMMA_SLIDING = 8   # < sinks + window, so a sliding layer reads less than Local does
+
+
+def build_gemma3(folder, seed: int = 5):
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=GEMMA_SLIDING, query_pre_attn_scalar=32, max_position_embeddings=1024, pad_token_id=0,
+        eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder)
+    save_word_tokenizer(folder)
+    head = RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW))
+    head.save_pretrained(os.path.join(folder, "head"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """One stock engine and one ODA engine (prefix caching on) for a tiny Gemma 3."""
+    tmp = tmp_path_factory.mktemp("vllm_gemma3")
+    folder = str(tmp / "model")
+    model = build_gemma3(folder)
+    head = os.path.join(folder, "head")
+    long = [prompt(n, seed=n + 11) for n in EDGE_LENGTHS]
+    batches = {"full": [request(ids, policy="full", logprobs=1) for ids in long],
+               "local": [request(ids, policy="local") for ids in long],
+               "head": [request(ids, policy="head", threshold=0.0) for ids in long]}
+    oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
+                   enable_prefix_caching=True)
+    results = dict(zip(batches, oda))
+    # a prompt that extends a Local request's prompt and output: only the prompt's blocks may be reused
+    extended = long[6] + results["local"]["outputs"][6]["tokens"] + prompt(5, seed=98)
+    follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")],
+                                                  [request(extended, policy="full", logprobs=1)]],
+                      oda={"head": head, "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True)
+    stock = run_vllm(tmp, "stock", folder, [batches["full"], [request(extended, logprobs=1)]], oda=None,
+                     enable_prefix_caching=False)
+    return dict(model=model, head=head, long=long, oda=results, follow=follow, stock=stock)
+
+
+def test_gemma3_always_full_equals_stock_vllm(gemma3):
+    for ours, stock in zip(gemma3["oda"]["full"]["outputs"], gemma3["stock"][0]["outputs"]):
+        assert ours["tokens"] == stock["tokens"]
+        assert max(abs(a - b) for a, b in zip(ours["logprobs"], stock["logprobs"])) < 1e-4
+
+
+def test_gemma3_always_local_equals_transformers_path_and_differs_from_full(gemma3):
+    for ids, ours in zip(gemma3["long"], gemma3["oda"]["local"]["outputs"]):
+        tokens, _ = hf_generate(gemma3["model"], None, ids, 12, "local")
+        assert ours["tokens"] == tokens, f"prompt of {len(ids)} tokens"
+        assert ours["routing"]["decided_steps"] == sum(len(ids) + t > SPAN for t in range(1, 12))
+    local = [o["tokens"] for o in gemma3["oda"]["local"]["outputs"]]
+    full = [o["tokens"] for o in gemma3["oda"]["full"]["outputs"]]
+    assert local[-2:] != full[-2:], "Local equals Full far past the window: the global layers were not restricted"
+
+
+def test_gemma3_head_decisions_and_tokens_match_transformers_path(gemma3):
+    mixed = 0
+    for ids, ours in zip(gemma3["long"], gemma3["oda"]["head"]["outputs"]):
+        tokens, routing = hf_generate(gemma3["model"], gemma3["head"], ids, 12, "head", threshold=0.0)
+        scores = routing.scores[0].tolist()
+        assert not [q for q in scores if math.isfinite(q) and abs(q) < 1e-4], "scores too close to the threshold"
+        assert ours["routing"]["decisions"] == routing.decisions[0].tolist()
+        assert ours["tokens"] == tokens
+        mixed += 0 < sum(ours["routing"]["decisions"]) < len(ours["routing"]["decisions"])
+    assert mixed, "the head never mixed Full and Local: the test would not see a wrong retry"
+
+
+def test_gemma3_prefix_caching_reuses_prompt_blocks_only(gemma3):
+    ours = gemma3["follow"][1]["outputs"][0]
+    cold = gemma3["stock"][1]["outputs"][0]
+    assert ours["num_cached_tokens"] == len(gemma3["long"][6]) // 32 * 32
+    assert ours["tokens"] == cold["tokens"]
+    assert max(abs(a - b) for a, b in zip(ours["logprobs"], cold["logprobs"])) < 1e-4

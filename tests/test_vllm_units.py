@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oda_hf.vllm import engine_args
-from oda_hf.vllm.attention import local_positions, paged_local_attention
+from oda_hf.vllm.attention import local_positions, paged_local_attention, routed_layers
 from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
 from oda_hf.vllm.settings import (
     SERVES_HEAD_ENV,
@@ -237,3 +237,22 @@ def test_cpu_layout_matches_what_vllm_writes():
     assert torch.equal(values[1, 0, 2], flat[1, 0, 4 + 2])                    # value of offset 2: row 2 after the keys
     with pytest.raises(NotImplementedError, match="amx"):
         paged_layout("CPU_ATTN", cache, isa="amx")
+
+
+def _attention_layer(name, sliding_window=None, soft_cap=0.0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(layer_name=name, sliding_window=sliding_window, impl=SimpleNamespace(logits_soft_cap=soft_cap))
+
+
+def test_routed_layers_are_the_global_ones():
+    """Gemma 3 style: Local restricts the layers without a sliding window; the sliding ones stay native."""
+    layers = [_attention_layer(f"layers.{i}", sliding_window=None if i % 2 else 8) for i in range(4)]
+    assert [layer.layer_name for layer in routed_layers(layers)] == ["layers.1", "layers.3"]
+
+
+def test_routed_layers_refuse_what_local_cannot_serve():
+    with pytest.raises(ValueError, match="no full-attention layer"):       # e.g. Mistral with a sliding window
+        routed_layers([_attention_layer("layers.0", sliding_window=4096)])
+    with pytest.raises(NotImplementedError, match="layers.1 soft-caps its attention logits"):
+        routed_layers([_attention_layer("layers.0", sliding_window=8), _attention_layer("layers.1", soft_cap=50.0)])

@@ -33,6 +33,7 @@ ODA_ARCHITECTURES = {
     "MistralForCausalLM": "OdaLlamaForCausalLM",
     "Qwen2ForCausalLM": "OdaQwen2ForCausalLM",
     "Qwen3ForCausalLM": "OdaQwen3ForCausalLM",
+    "Gemma3ForCausalLM": "OdaGemma3ForCausalLM",
 }
 
 

@@ -207,6 +207,25 @@ class OdaAttentionImplMixin:
         return output
 
 
+def routed_layers(attention_layers: list) -> list:
+    """The vLLM `Attention` layers Local restricts: the global ones (no sliding window). A hybrid's sliding-window
+    layers (Gemma 3) keep their native window in every pass, as on the Transformers path.
+
+    Refuses a model with no global layer (nothing to route) and a global layer that soft-caps its attention logits
+    (Local attention does not, so its Local steps would differ from the model's own attention).
+    """
+    routed = [layer for layer in attention_layers if layer.sliding_window is None]
+    if not routed:
+        raise ValueError("This model has no full-attention layer (every layer has a sliding window), so Local and Full "
+                         "would read the same history: there is nothing for ODA to route. Serve it with stock vLLM.")
+    for layer in routed:
+        soft_cap = getattr(layer.impl, "logits_soft_cap", None)
+        if soft_cap:
+            raise NotImplementedError(f"Layer {layer.layer_name} soft-caps its attention logits ({soft_cap}); ODA's "
+                                      "Local attention does not, so it cannot serve this model.")
+    return routed
+
+
 _IMPL_CLASSES: dict[type, type] = {}
 
 

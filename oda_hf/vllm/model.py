@@ -1,11 +1,12 @@
-"""ODA model classes for vLLM: the stock Llama / Qwen2 / Qwen3 models with a routed decode step.
+"""ODA model classes for vLLM: the stock Llama / Qwen2 / Qwen3 / Gemma 3 models with a routed decode step.
 
 Each class is vLLM's own model (its modules, weight loading, `compute_logits`) with one change: `forward` returns,
 for every decode row, the final hidden state of the branch ODA selected (ODA_SPEC 2). Per step:
 
 1. One pass over all scheduled tokens. Prefill chunks, decode steps whose history still fits in sinks + window and
    rows already decided Full (policy ``full``, a Random or schedule hit) attend natively; the other decode rows attend
-   Local, read from the paged cache (`attention.paged_local_attention`). Every token's KV is written to its slot.
+   Local, read from the paged cache (`attention.paged_local_attention`), in the global layers; a hybrid's
+   sliding-window layers (Gemma 3) attend natively in every pass. Every token's KV is written to its slot.
 2. The recall head scores the rows that use it: ``q = head(h_prev, embed(x_t), h_L)``; Full where ``q > theta`` or
    ``q`` is not finite.
 3. A Full pass over those rows only (metadata built for that sub-batch): it overwrites their KV slot, so the last
@@ -22,7 +23,7 @@ import contextlib
 
 import torch
 
-from .attention import LocalPlan, local_plan, oda_attention_impl_class
+from .attention import LocalPlan, local_plan, oda_attention_impl_class, routed_layers
 from .settings import ServingSettings
 
 
@@ -48,11 +49,11 @@ class OdaCausalLMMixin:
         # Not a registered submodule: vLLM's loader must not look for the head's weights in the base checkpoint.
         self.__dict__["oda_head"] = head
         self.oda_runner_attached = False
-        for module in self.modules():
-            if isinstance(module, Attention):
-                backend = module.attn_backend.get_name()
-                module.impl.__class__ = oda_attention_impl_class(type(module.impl), backend)
-                module.__class__ = _prompt_only_caching_class(type(module))
+        layers = [module for module in self.modules() if isinstance(module, Attention)]
+        for module in routed_layers(layers):
+            module.impl.__class__ = oda_attention_impl_class(type(module.impl), module.attn_backend.get_name())
+        for module in layers:
+            module.__class__ = _prompt_only_caching_class(type(module))
 
     # -- the routed step --------------------------------------------------------------------------------
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, oda_step=None, **kwargs):
@@ -196,6 +197,13 @@ def _qwen3():
     return Qwen3ForCausalLM
 
 
+def _gemma3():
+    from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+
+    return Gemma3ForCausalLM
+
+
 OdaLlamaForCausalLM = _oda_class(_llama(), "OdaLlamaForCausalLM")
 OdaQwen2ForCausalLM = _oda_class(_qwen2(), "OdaQwen2ForCausalLM")
 OdaQwen3ForCausalLM = _oda_class(_qwen3(), "OdaQwen3ForCausalLM")
+OdaGemma3ForCausalLM = _oda_class(_gemma3(), "OdaGemma3ForCausalLM")

