@@ -256,3 +256,25 @@ def test_routed_layers_refuse_what_local_cannot_serve():
         routed_layers([_attention_layer("layers.0", sliding_window=4096)])
     with pytest.raises(NotImplementedError, match="layers.1 soft-caps its attention logits"):
         routed_layers([_attention_layer("layers.0", sliding_window=8), _attention_layer("layers.1", soft_cap=50.0)])
+
+
+def test_an_unknown_cache_layout_refuses_the_engine_at_start():
+    """`check_local_layouts` (run by ODA's runner right after vLLM allocates the KV cache) reads each routed layer's
+    layout: AMX kernels are refused then, naming the fix, not inside the first step with a Local row."""
+    from oda_hf.vllm.attention import check_local_layouts, oda_attention_impl_class
+
+    class Impl:
+        def forward(self, *args):
+            return None
+
+    class Layer(torch.nn.Module):
+        def __init__(self, isa, routed=True):
+            super().__init__()
+            self.impl = Impl()
+            if routed:
+                self.impl.__class__ = oda_attention_impl_class(Impl, "CPU_ATTN")
+            self.kv_cache, self.isa = torch.zeros(2, 1, 4, 6), isa
+
+    check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx", routed=False)))   # a native layer is not read
+    with pytest.raises(NotImplementedError, match="float32"):
+        check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx")))

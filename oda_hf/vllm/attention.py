@@ -118,6 +118,17 @@ def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = No
     )
 
 
+def check_local_layouts(model) -> None:
+    """Read every routed layer's paged-cache layout once, right after vLLM allocates the KV cache, so that a backend or
+    kernel set whose layout Local does not know (e.g. the CPU's AMX kernels in bfloat16) refuses the engine at start,
+    naming the fix, instead of failing inside the first step that has a Local row."""
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        kv_cache = getattr(module, "kv_cache", None)
+        if getattr(type(impl), "oda_backend_name", "") and isinstance(kv_cache, torch.Tensor) and kv_cache.numel():
+            paged_layout(impl.oda_backend_name, kv_cache, getattr(module, "isa", None))
+
+
 @dataclass
 class LocalGather:
     """The flat cache indices and mask of one step's Local reads, built once and shared by every layer whose cache

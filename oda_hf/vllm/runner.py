@@ -49,6 +49,13 @@ class OdaRunnerMixin:
             if model.oda_head is not None:
                 model.oda_head.to(self.device)
 
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if getattr(self, "oda_model", None) is not None:
+            from .attention import check_local_layouts
+
+            check_local_layouts(self.oda_model)
+
     def _on_request_state_removed(self, req_id, req_state):
         super()._on_request_state_removed(req_id, req_state)
         state = getattr(self, "oda_states", {}).pop(req_id, None)
