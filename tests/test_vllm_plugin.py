@@ -76,6 +76,7 @@ def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | 
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_driver.py"), str(spec_path),
                            str(out_path)], env=env, capture_output=True, text=True, timeout=900)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)   # vLLM logs a worker's failure on stdout
     if proc.returncode != 0:
         raise AssertionError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out_path.read_text())
@@ -438,3 +439,14 @@ def test_gemma3_prefix_caching_reuses_prompt_blocks_only(gemma3):
     assert ours["num_cached_tokens"] == len(gemma3["long"][6]) // 32 * 32
     assert ours["tokens"] == cold["tokens"]
     assert max(abs(a - b) for a, b in zip(ours["logprobs"], cold["logprobs"])) < 1e-4
+
+
+def test_gemma3_prefix_caching_without_the_hybrid_kv_cache_manager_is_refused(gemma3, tmp_path):
+    """With vLLM's hybrid KV cache manager off, sliding layers lose their prompt-only caching (measured before the
+    check: an extension of a Local request reused 160 tokens, a block of Local decode KV). The engine must refuse."""
+    folder = os.path.dirname(gemma3["head"])
+    with pytest.raises(AssertionError, match="vLLM driver failed"):
+        run_vllm(tmp_path, "no_hma", folder, [[request(gemma3["long"][0], policy="local")]],
+                 oda={"head": gemma3["head"], "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True,
+                 disable_hybrid_kv_cache_manager=True)
+    assert "needs vLLM's hybrid KV cache manager" in (tmp_path / "no_hma.log").read_text()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oda_hf.vllm import engine_args
-from oda_hf.vllm.attention import local_positions, paged_local_attention, routed_layers
+from oda_hf.vllm.attention import check_prefix_caching, local_positions, paged_local_attention, routed_layers
 from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
 from oda_hf.vllm.settings import (
     SERVES_HEAD_ENV,
@@ -278,3 +278,14 @@ def test_an_unknown_cache_layout_refuses_the_engine_at_start():
     check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx", routed=False)))   # a native layer is not read
     with pytest.raises(NotImplementedError, match="float32"):
         check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx")))
+
+
+def test_prefix_caching_of_a_hybrid_needs_the_hybrid_kv_cache_manager():
+    """Without vLLM's hybrid KV cache manager a sliding layer's spec becomes a plain full-attention one whose caching
+    is not capped at the prompt (measured: an extension of a Local request then reused a decode block)."""
+    hybrid = [_attention_layer("layers.0", sliding_window=8), _attention_layer("layers.1")]
+    with pytest.raises(ValueError, match="hybrid KV cache manager"):
+        check_prefix_caching(hybrid, prefix_caching=True, hybrid_manager=False)
+    check_prefix_caching(hybrid, prefix_caching=True, hybrid_manager=True)
+    check_prefix_caching(hybrid, prefix_caching=False, hybrid_manager=False)
+    check_prefix_caching([_attention_layer("layers.1")], prefix_caching=True, hybrid_manager=False)  # full layers only

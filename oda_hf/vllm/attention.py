@@ -237,6 +237,19 @@ def routed_layers(attention_layers: list) -> list:
     return routed
 
 
+def check_prefix_caching(attention_layers: list, *, prefix_caching: bool, hybrid_manager: bool) -> None:
+    """Refuse prefix caching that would share decode KV: a hybrid's sliding-window layers cap their caching at the
+    prompt through their own KV spec (`kv_cache.PromptOnlySlidingWindowSpec`), which vLLM drops when its hybrid KV
+    cache manager is off (it then turns sliding specs into plain full-attention ones, whose manager caches decode
+    blocks too: a later request would reuse blocks written by Local steps)."""
+    if prefix_caching and not hybrid_manager and any(layer.sliding_window is not None for layer in attention_layers):
+        raise ValueError("ODA with prefix caching on a model with sliding-window layers needs vLLM's hybrid KV cache "
+                         "manager (it is off here, by --disable-hybrid-kv-cache-manager or a KV connector that does "
+                         "not support it): without it a later request could reuse KV written by Local steps. Turn "
+                         "prefix caching off (enable_prefix_caching=False / --no-enable-prefix-caching) or leave the "
+                         "hybrid KV cache manager on.")
+
+
 _IMPL_CLASSES: dict[type, type] = {}
 
 

@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from .attention import LocalPlan, local_plan, oda_attention_impl_class, routed_layers
+from .attention import LocalPlan, check_prefix_caching, local_plan, oda_attention_impl_class, routed_layers
 from .settings import ServingSettings
 
 
@@ -50,6 +50,8 @@ class OdaCausalLMMixin:
         self.__dict__["oda_head"] = head
         self.oda_runner_attached = False
         layers = [module for module in self.modules() if isinstance(module, Attention)]
+        check_prefix_caching(layers, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                             hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
         for module in routed_layers(layers):
             module.impl.__class__ = oda_attention_impl_class(type(module.impl), module.attn_backend.get_name())
         for module in layers:
