@@ -8,9 +8,10 @@ Run in oda_hf's environment, with the serving environment beside it (scripts/mak
 `--base` is a short name (after `oda fetch NAME`) or a folder; `--head` defaults to the shipped head of that name.
 Prompts: distinct slices of the Python documentation in the standard library (`pydoc_data.topics`), with the chat
 template where the tokenizer has one (Gemma 3 270M, a base model, has none: the document and the question as plain
-text), greedy, stopping at EOS. For the head policy (shipped threshold), always-Local and always-Full it compares, request by request, the
-tokens and (head) the Full/Local decision and the head's score at every routed step. A decision may differ only where
-the Transformers path's score is within 1e-4 of the threshold: such steps are counted and reported, never hidden.
+text), greedy, stopping at EOS. For the head policy (the head's threshold), always-Local and always-Full it compares,
+request by request, the tokens and (head) the Full/Local decision and the head's score at every routed step. A decision
+may differ only where the Transformers path's score is within 1e-4 of the threshold: such steps are counted and
+reported, never hidden.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from oda_hf.validation import argument, integer
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,9 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="smollm2", help="short name of a fetched base, or a model folder")
     parser.add_argument("--head", default=None, help="recall-head folder or shipped name (default: --base)")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=argument(integer, "prompts", minimum=1), default=4)
+    parser.add_argument("--prompt-tokens", type=argument(integer, "prompt-tokens", minimum=1), default=1500)
+    parser.add_argument("--max-tokens", type=argument(integer, "max-tokens", minimum=1), default=32)
     parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -45,8 +48,11 @@ def main() -> None:
     from oda_hf.known_models import resolve_base, resolve_head
     from oda_hf.vllm.settings import ServingSettings
 
-    base, head = os.fspath(resolve_base(args.base)), os.fspath(resolve_head(args.head or args.base))
-    settings = ServingSettings.resolve(head)
+    try:   # a base not fetched, a head folder that does not exist or holds no head
+        base, head = os.fspath(resolve_base(args.base)), os.fspath(resolve_head(args.head or args.base))
+        settings = ServingSettings.resolve(head)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
     threshold = settings.default_routing.threshold
     tokenizer = AutoTokenizer.from_pretrained(base)
     text = "\n\n".join(topics[key] for key in sorted(topics))
@@ -63,7 +69,10 @@ def main() -> None:
     policies = ["head", "local", "full"]
     batch = [{"prompt": list(p), "max_tokens": args.max_tokens, "extra_args": {"oda_policy": policy},
               "logprobs": None, "ignore_eos": False} for policy in policies for p in prompts]
-    spec = {"engine": {"model": base, "dtype": "float32", "max_model_len": 4096, "seed": 0, "max_num_seqs": 16},
+    # 4096 covers the default prompts; longer ones get room for their output instead of a refusal inside vLLM.
+    max_model_len = max(4096, max(len(p) for p in prompts) + args.max_tokens)
+    spec = {"engine": {"model": base, "dtype": "float32", "max_model_len": max_model_len, "seed": 0,
+                       "max_num_seqs": 16},
             "oda": {"head": head}, "batches": [batch]}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
@@ -105,8 +114,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     lines = [f"# ODA in vLLM vs the Transformers path: {args.base} with the recall head {args.head or args.base}", "",
-             f"{len(prompts)} prompts of ~{args.prompt_tokens} documentation tokens + a question (chat template where the tokenizer has one), greedy, "
-             f"{args.max_tokens} new tokens, s = {settings.sinks}, w = {settings.window}, threshold {threshold}; vLLM "
+             f"{len(prompts)} prompts of ~{args.prompt_tokens} documentation tokens + a question (chat template where "
+             f"the tokenizer has one), greedy, {args.max_tokens} new tokens, s = {settings.sinks}, w = {settings.window}, threshold {threshold}; vLLM "
              "CPU build (float32), all requests of the three policies in one continuous batch. Command: "
              f"`{' '.join(sys.argv)}`", "",
              "| prompt | policy | tokens equal | first differing token | Full calls / decided | decisions differing "

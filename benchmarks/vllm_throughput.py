@@ -8,9 +8,9 @@ Prompts are distinct ~N-token slices of the Python documentation shipped with th
 (`pydoc_data.topics`). For each arm and batch size the requests are added together, the engine is stepped until every
 request is decoding, and then `--steps` decode steps are timed (prefill excluded); ms per step, tokens per second and
 a bytes-per-step limit (weights once per pass plus each row's attended KV, over a tensor copy's bandwidth measured in
-this run; a hybrid's sliding layers read their window in every arm) are printed. Arms: stock vLLM (default compilation, and eager), and on one ODA engine: always-Full, Local,
-Full on 2 of every 16 steps, and the head at its threshold; stock runs before and after the ODA engine, and ratios are
-taken against the faster of its two runs.
+this run; a hybrid's sliding layers read their window in every arm) are printed. Arms: stock vLLM (default
+compilation, and eager), and on one ODA engine: always-Full, Local, Full on 2 of every 16 steps, and the head at its
+threshold; stock runs before and after the ODA engine, and ratios are taken against the faster of its two runs.
 """
 
 from __future__ import annotations

@@ -19,33 +19,34 @@ import time
 
 import torch
 
+from oda_hf.cli_common import thread_count
+from oda_hf.evaluation.stats import auroc
 from oda_hf.head import RecallHead, RecallHeadConfig
 from oda_hf.training.losses import regression_target, token_losses
 from oda_hf.training.supervision_cache import INPUT_TENSORS, SupervisionCache
-
-
-def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    ranks = torch.argsort(torch.argsort(scores)).double() + 1
-    positives = labels.sum().double()
-    negatives = len(labels) - positives
-    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+from oda_hf.validation import argument, integer, number, seed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", required=True)
-    parser.add_argument("--width", type=int, default=None, help="head tower width (default hidden / 2)")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--lam", type=float, default=0.0, help="Full-call penalty lambda")
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--rows-per-update", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=argument(integer, "width", minimum=1), default=None,
+                        help="head tower width (default hidden / 2)")
+    parser.add_argument("--epochs", type=argument(integer, "epochs", minimum=1), default=20)
+    parser.add_argument("--lam", type=argument(number, "lam", minimum=0.0), default=0.0,
+                        help="Full-call penalty lambda")
+    parser.add_argument("--lr", type=argument(number, "lr", minimum=0.0, exclusive_minimum=True), default=3e-4)
+    parser.add_argument("--rows-per-update", type=argument(integer, "rows-per-update", minimum=1), default=4)
+    parser.add_argument("--threads", type=thread_count, default=1)
+    parser.add_argument("--seed", type=argument(seed, "seed"), default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    cache = SupervisionCache(args.cache)
+    try:
+        cache = SupervisionCache(args.cache)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
     rows = [cache.row(i) for i in range(len(cache))]
     held = [row for i, row in enumerate(rows) if i % 5 == 0]
     train = [row for i, row in enumerate(rows) if i % 5 != 0]
@@ -86,7 +87,7 @@ def main() -> None:
         chosen = scores > threshold
         out[f"rate@theta{threshold}"] = round(chosen.float().mean().item(), 3)
         out[f"net@theta{threshold}"] = round(gains[chosen].sum().item() / positive, 3)
-    out["auroc(g>0.1)"] = round(auroc(scores, gains > 0.1), 4)
+    out["auroc(g>0.1)"] = round(auroc(scores.numpy(), (gains > 0.1).numpy()), 4)
     print(json.dumps(out), flush=True)
 
 

@@ -62,13 +62,13 @@ class ServingSettings:
 
         routing = OdaConfig()
         if head is not None:
-            from ..known_models import resolve_head
+            from ..known_models import HEAD_NAMES, resolve_head
             from ..loading import check_head_folder, read_config_json
 
             head = os.path.abspath(os.fspath(resolve_head(head)))
             if not os.path.isdir(head):
                 raise FileNotFoundError(f"The recall head folder {head} does not exist: give a folder written by "
-                                        "save_pretrained (or a shipped head: smollm2, organism).")
+                                        f"save_pretrained (or a shipped head: {', '.join(HEAD_NAMES)}).")
             check_head_folder(head)
             saved = os.path.join(head, ODA_CONFIG_NAME)
             trained = {key: value for key, value in read_config_json(head).items()
