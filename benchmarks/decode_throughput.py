@@ -154,12 +154,15 @@ def oda_routing(routing):
     return routing, False
 
 
-def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_size: int | None = None):
+def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_size: int | None = None,
+                 **options):
     """An `OdaStaticEngine` over `history` (consumed one layer at a time), its graphs for every length up to
-    `max_length` captured before timing (none on CPU); returns (engine, keys captured, capture seconds)."""
+    `max_length` captured before timing (none on CPU); returns (engine, keys captured, capture seconds).
+    `options`: further `OdaStaticEngine` arguments."""
     from oda_hf.engine import OdaStaticEngine
 
-    options = {} if bucket_size is None else {"bucket_size": bucket_size}
+    if bucket_size is not None:
+        options["bucket_size"] = bucket_size
     engine = OdaStaticEngine(oda, max_length=max_length + 1, batch_size=1, **options)
     engine.load_history(history, last_hidden, max_steps=steps)
     start = time.perf_counter()

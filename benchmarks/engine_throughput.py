@@ -1,7 +1,8 @@
 """Decode throughput of the static engine (oda_hf.engine) against the HF path and stock decoding.
 
-GPU results: benchmarks/results/gpu_h200_torch2.11.md (on torch < 2.13 the engine's graphs branch to Full through
-one host read per step, `conditional="host"`; with conditional nodes the branch stays on the device).
+GPU results: benchmarks/results/gpu_h200_torch2.11.md and gpu_h200_torch2.11_engine/ (on torch < 2.13 the engine's
+graphs branch to Full through one host read per step, `conditional="host"`; with conditional nodes the branch stays
+on the device). The engine's Full kernel uses tl.dot products; `--elementwise-full` measures the elementwise one.
 
 Methods, all on the same synthetic history and the same continuation (produced by native-full):
   native-full        stock transformers forward + DynamicCache (eager; the reference everywhere)
@@ -143,8 +144,9 @@ def worker(args) -> dict:
             def step(token):
                 return oda(input_ids=token.view(1, 1), past_key_values=cache).logits[:, -1]
         else:
+            options = {"full_dot": False} if args.elementwise_full else {}
             engine, captured, capture_seconds = start_engine(oda, history, last_hidden, args.length + steps_total,
-                                                             steps_total, args.bucket_size)
+                                                             steps_total, args.bucket_size, **options)
             step = engine.step
 
     # Tokens to feed: native-full reads its argmax (it defines the continuation); the others replay
@@ -177,7 +179,7 @@ def worker(args) -> dict:
     if engine is not None:
         result.update(graphs=len(engine.graphs) if engine.graphs is not None else 0, graph_keys_captured=len(captured),
                       capture_seconds=capture_seconds, kernels=engine.kernels, graph_mode=engine.graph_mode,
-                      conditional=engine.conditional)
+                      conditional=engine.conditional, full_dot=engine.full.use_dot)
     if routing_of(engine, oda) is not None:
         result["full_call_rate"] = rate
     return result
@@ -188,8 +190,9 @@ def routing_of(engine, oda):
 
 
 def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
-    return decode_throughput.run_worker_subprocess(args, length, method, continuation, script=__file__,
-                                                   extra=("--device", args.device, "--bucket-size", str(args.bucket_size)))
+    extra = ("--device", args.device, "--bucket-size", str(args.bucket_size),
+             *(("--elementwise-full",) if args.elementwise_full else ()))
+    return decode_throughput.run_worker_subprocess(args, length, method, continuation, script=__file__, extra=extra)
 
 
 def format_table(rows: list[dict], device: str) -> str:
@@ -216,10 +219,11 @@ def write_results(args, rows: list[dict]) -> str:
              else f"CPU, {args.threads} threads on {os.cpu_count()} cores")
     header = (f"Static-engine decode benchmark: {MODEL_NAMES[model_name(args)]}, {args.dtype}, {where}, "
               f"s={args.sinks}, w={args.window}, bucket {args.bucket_size}, {args.runs} x {args.steps} measured routed "
-              f"steps after {args.steps} warm-up steps.")
+              f"steps after {args.steps} warm-up steps"
+              f"{'; engine Full kernel elementwise (--elementwise-full)' if args.elementwise_full else ''}.")
     text = header + "\n\n" + format_table(rows, args.device) + "\n"
     os.makedirs(args.output, exist_ok=True)
-    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}"
+    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}{'_elementwise' if args.elementwise_full else ''}"
     write_text(os.path.join(args.output, name + ".md"), text)
     write_json(os.path.join(args.output, name + ".json"), rows)
     return text
@@ -231,6 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=None, help=f"comma list from {METHODS}; starts with native-full")
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--bucket-size", type=int, default=128, help="graph reuse buckets ceil(L / size)")
+    parser.add_argument("--elementwise-full", action="store_true",
+                        help="engine arms: the Triton Full kernel's elementwise variant instead of tl.dot (CUDA)")
     add_shared_arguments(parser, output_help="folder for the table and JSON")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -239,6 +245,9 @@ def main(argv=None) -> int:
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (none is visible).")
+    if args.elementwise_full and args.device != "cuda":
+        raise SystemExit("--elementwise-full selects a variant of the Triton Full kernel, which the engine runs on "
+                         "CUDA.")
 
     layer_types = getattr(decode_throughput.model_config(model_name(args)), "layer_types", None) or []
     hybrid = any(kind != "full_attention" for kind in layer_types)

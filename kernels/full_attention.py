@@ -152,7 +152,7 @@ if HAS_TRITON:
 def full_attention_decode(q, keys, values, column_valid, position, scale: float, *,
                           out: torch.Tensor | None = None, scratch: LocalAttentionScratch | None = None,
                           split_positions: int = SPLIT_POSITIONS,
-                          block_positions: int = FULL_BLOCK_POSITIONS, use_dot: bool = False) -> torch.Tensor:
+                          block_positions: int = FULL_BLOCK_POSITIONS, use_dot: bool = True) -> torch.Tensor:
     """Full attention of one decode token per row over cache columns ``[0, columns)`` (split-K).
 
     Args:
@@ -161,8 +161,9 @@ def full_attention_decode(q, keys, values, column_valid, position, scale: float,
         position: one-element integer tensor on the device, the current token's column: columns after it are
             not read. Never copied to the host.
         split_positions, block_positions: columns per program, and per inner iteration (a power of two).
-        use_dot: tensor-core products (`tl.dot`, blocks of at least 16); the elementwise form is what was measured on
-            a GPU (benchmarks/full_decode_kernel.py compares them).
+        use_dot: tensor-core products (`tl.dot`, blocks of at least 16; the default) or elementwise ones. On an
+            H200 (bf16, 14 query / 2 KV heads of 64) tl.dot took 0.070-0.075 ms per layer at 16K-32K columns,
+            elementwise 0.09-0.17 (benchmarks/full_decode_kernel.py --dot compares them).
         out: optional ``[batch, q_heads, 1, head_dim_v]`` buffer; scratch: `allocate_full_scratch` for at least
             these columns (else allocated per call).
 

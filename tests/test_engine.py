@@ -346,16 +346,21 @@ def test_torch_cond_reaches_a_control_flow_dispatch_mode():
 TRITON_CPU = pytest.mark.skipif(not kernels_interpreted(), reason="needs Triton with TRITON_INTERPRET=1 before import")
 
 
-@pytest.mark.parametrize("baseline,kernels", [pytest.param("reference", "triton", marks=TRITON_CPU),
-                                              ("reference", "sdpa")])
-def test_kernel_backends_agree(baseline, kernels):
-    """The direct-ring Triton kernels (interpreted on CPU) and the SDPA backend against the PyTorch reference."""
+@pytest.mark.parametrize("baseline,kernels,full_dot", [pytest.param("reference", "triton", None, marks=TRITON_CPU),
+                                                       pytest.param("reference", "triton", False, marks=TRITON_CPU),
+                                                       ("reference", "sdpa", None)])
+def test_kernel_backends_agree(baseline, kernels, full_dot):
+    """The direct-ring Triton kernels (interpreted on CPU; the Full kernel elementwise or with tl.dot) and the SDPA
+    backend against the PyTorch reference."""
     model = make_model(policy="head")
     ids, mask = left_padded_prompts()
     runs = {}
     for backend in (baseline, kernels):
-        engine = OdaStaticEngine(model, max_length=17, batch_size=2, bucket_size=BUCKET, kernels=backend)
+        options = {"full_dot": full_dot} if full_dot is not None and backend == "triton" else {}
+        engine = OdaStaticEngine(model, max_length=17, batch_size=2, bucket_size=BUCKET, kernels=backend, **options)
         assert engine.kernels == backend
+        if backend == "triton":
+            assert engine.full.use_dot == (full_dot is None)  # tl.dot unless turned off
         runs[backend] = (engine_generate(engine, ids, mask, max_new_tokens=8), state_copy(engine))
     assert_same(runs[baseline][0], runs[kernels][0], logits_tol=1e-5)
     for name, tensor in runs[baseline][1].items():
@@ -412,6 +417,8 @@ def test_unsupported_settings_raise_clearly():
         engine.generate(ids, attention_mask=right_padded, max_new_tokens=4, pad_token_id=0)
     with pytest.raises(ValueError, match="capacity"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0)
+    with pytest.raises(ValueError, match="full_dot selects a variant of the Triton Full kernel"):
+        OdaStaticEngine(model, max_length=20, batch_size=2, bucket_size=BUCKET, kernels="sdpa", full_dot=True)
     engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
     with pytest.raises(RuntimeError, match="started for 3 routed steps"):  # the request's planned steps are done
         engine.step(ids[:, -1])
@@ -502,15 +509,16 @@ def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
 # GPU (skipped here: no GPU in this project)
 # ------------------------------------------------------------------------------------------------
 @GPU
-@pytest.mark.parametrize("graph_mode,conditional", [pytest.param("cuda", "cond", marks=GRAPHS), ("cuda", "host"),
-                                                    ("eager", "eager")])
+@pytest.mark.parametrize("graph_mode,conditional,full_dot", [pytest.param("cuda", "cond", None, marks=GRAPHS),
+                                                             ("cuda", "host", None), ("cuda", "host", False),
+                                                             ("eager", "eager", None)])
 @pytest.mark.parametrize("policy", ["head", "schedule", "full", "local"])
-def test_cuda_graph_engine_matches_hf_path(policy, graph_mode, conditional):
+def test_cuda_graph_engine_matches_hf_path(policy, graph_mode, conditional, full_dot):
     model = make_model(policy=POLICIES[policy]).cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
     engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode=graph_mode,
-                             conditional=conditional)
+                             conditional=conditional, full_dot=full_dot)
     assert engine.graph_mode == graph_mode and engine.kernels == "triton"
     got = engine_generate(engine, ids, mask, max_new_tokens=20)
     assert_same(reference, got, logits_tol=1e-3)

@@ -136,15 +136,17 @@ class FullAttention:
     """The Full pass's attention over the current bucket's cache columns (current token written at its column).
 
     * ``triton``: `kernels.full_attention_decode`, split-K over the columns with the length and padding read
-      from the device (``cache_position``, ``column_valid``); one scratch for all layers (they run in turn);
+      from the device (``cache_position``, ``column_valid``), products as tl.dot unless `use_dot` is False; one
+      scratch for all layers (they run in turn);
     * otherwise SDPA with the engine's bool mask ``[B, 1, 1, columns]``. At batch 1 SDPA's masked decode runs
       one program per (row, head) over the whole history, which leaves most of a GPU idle at long context.
 
     Returns the HF attention layout ``[B, 1, Hq, Dv]``.
     """
 
-    def __init__(self, backend: str, state: EngineState, *, layers: int, q_heads: int, head_dim_v: int):
-        self.backend, self.state = backend, state
+    def __init__(self, backend: str, state: EngineState, *, layers: int, q_heads: int, head_dim_v: int,
+                 use_dot: bool = True):
+        self.backend, self.state, self.use_dot = backend, state, use_dot
         self.scratch = self.outputs = None
         if backend == "triton":
             batch, device = state.batch_size, state.cache_keys.device
@@ -158,7 +160,7 @@ class FullAttention:
                                           is_causal=False)[0]
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         out = full_attention_decode(query, keys, values, self.state.column_valid, self.state.cache_position, scale,
-                                    out=self.outputs[module.layer_idx], scratch=self.scratch)
+                                    out=self.outputs[module.layer_idx], scratch=self.scratch, use_dot=self.use_dot)
         return out.transpose(1, 2)
 
 

@@ -100,6 +100,9 @@ class OdaStaticEngine:
             read back; default with CUDA graphs on torch >= 2.13), ``"host"`` (three graphs per bucket, Local +
             head, Full, commit, with one host read of the decision between them; default with CUDA graphs on
             older torch) or ``"eager"`` (Python ``if`` on the predicate; default without graphs).
+        full_dot: with ``kernels="triton"``, whether the Full kernel's two products run as ``tl.dot`` (tensor
+            cores; the default) or elementwise (``False``). Measured on an H200: 1.5-2.4x faster per layer at
+            16K-32K columns, the always-Full step 4.70 -> 2.95 ms at 32K (Qwen2.5-0.5B shapes).
 
     Use `generate` for whole requests; `prefill` / `load_history` + `step` drive it token by token.
     The model's attention implementation is switched to the engine's only during a step and restored
@@ -108,7 +111,7 @@ class OdaStaticEngine:
 
     def __init__(self, model, *, max_length: int, batch_size: int = 1,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, kernels: str = "auto", graph_mode: str = "auto",
-                 conditional: str = "auto"):
+                 conditional: str = "auto", full_dot: bool | None = None):
         if fast_path_disabled():
             raise FastPathUnsupported(f"The fast path is disabled ({DISABLE_ENV}=1); use model.generate(...), the "
                                       "HF path.")
@@ -125,6 +128,8 @@ class OdaStaticEngine:
         self.kernels = self._resolve_kernels(kernels)
         self.graph_mode = self._resolve_graph_mode(graph_mode)
         self.conditional = self._resolve_conditional(conditional)
+        if full_dot is not None and self.kernels != "triton":
+            raise ValueError(f"full_dot selects a variant of the Triton Full kernel; kernels is {self.kernels!r}.")
 
         config = model.config
         self.decoder = model.get_decoder()
@@ -140,7 +145,8 @@ class OdaStaticEngine:
             device=self.device)
         self.local = LocalAttention(self.kernels, self.ws_sinks, self.ws_window, layers=layers, batch=batch_size,
                                     q_heads=q_heads, head_dim_v=head_dim, dtype=self.dtype, device=self.device)
-        self.full = FullAttention(self.kernels, self.state, layers=layers, q_heads=q_heads, head_dim_v=head_dim)
+        self.full = FullAttention(self.kernels, self.state, layers=layers, q_heads=q_heads, head_dim_v=head_dim,
+                                  use_dot=full_dot is not False)
         self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL, VERIFY)}
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
