@@ -131,14 +131,15 @@ def model_config(name: str):
     return AutoConfig.from_pretrained(resolve_base(name))
 
 
-def synthetic_history(model, length: int, seed: int, device: torch.device | None = None):
-    """Random KV per layer, generated one layer at a time (the caller stores it straight away), on `device`
-    (drawing 32K positions x 28 layers on the host and copying them over takes longer than the measurement)."""
+def synthetic_history(model, length: int, seed: int, device: torch.device | None = None, batch: int = 1):
+    """Random KV per layer for `batch` rows, generated one layer at a time (the caller stores it straight away), on
+    `device` (drawing 32K positions x 28 layers on the host and copying them over takes longer than the
+    measurement)."""
     config = model.config
     device = device or torch.device("cpu")
     generator = torch.Generator(device=device).manual_seed(seed + 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (1, config.num_key_value_heads, length, head_dim)
+    shape = (batch, config.num_key_value_heads, length, head_dim)
     for _ in range(config.num_hidden_layers):
         keys = torch.randn(shape, generator=generator, device=device).to(model.dtype)
         values = torch.randn(shape, generator=generator, device=device).to(model.dtype)
@@ -155,7 +156,7 @@ def oda_routing(routing):
 
 
 def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_size: int | None = None,
-                 **options):
+                 batch: int = 1, **options):
     """An `OdaStaticEngine` over `history` (consumed one layer at a time), its graphs for every length up to
     `max_length` captured before timing (none on CPU); returns (engine, keys captured, capture seconds).
     `options`: further `OdaStaticEngine` arguments."""
@@ -163,7 +164,7 @@ def start_engine(oda, history, last_hidden, max_length: int, steps: int, bucket_
 
     if bucket_size is not None:
         options["bucket_size"] = bucket_size
-    engine = OdaStaticEngine(oda, max_length=max_length + 1, batch_size=1, **options)
+    engine = OdaStaticEngine(oda, max_length=max_length + 1, batch_size=batch, **options)
     engine.load_history(history, last_hidden, max_steps=steps)
     start = time.perf_counter()
     captured = engine.capture_buckets(max_length)  # no capture inside timed segments

@@ -14,7 +14,11 @@ Methods, all on the same synthetic history and the same continuation (produced b
   engine-full        OdaStaticEngine, always Full (Local skipped): the engine's own Full baseline
                      (with graphs on CUDA, the fair "native Full" of a graph-captured runtime)
   engine-local       OdaStaticEngine, always Local (StreamingLLM access set; head not run)
-  engine-{12.5,25,50}  OdaStaticEngine with the schedule; the head runs every step
+  engine-{12.5,25,50}  OdaStaticEngine with the schedule; the head runs every step (with --batch > 1 every row
+                     recalls on the same steps: the Full pass's best case)
+  engine-random-{12.5,25,50}  OdaStaticEngine, each row Full with that probability, drawn independently per
+                     row (RandomPolicy): the Full pass runs for the whole batch when any row recalls, so at batch B
+                     a step runs it with probability 1 - (1 - p)^B
 Bytes limit (ms/token): the time one step would take if it only moved its bytes at the device's copy bandwidth
 (measured in the worker: a 1 GiB tensor copy, read + write): the decoder's weights once per backbone pass (two
 passes on a step that recalls: Local, then Full), the output matrix once, and the KV each pass reads (all n
@@ -46,6 +50,8 @@ import time
 
 import torch
 
+from oda_hf.validation import argument, integer
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_throughput  # noqa: E402
 from decode_throughput import (  # noqa: E402
@@ -54,7 +60,7 @@ from decode_throughput import (  # noqa: E402
 SCHEDULES = {"12.5": 2, "25": 4, "50": 8}
 STOCK = {"native-full": "dynamic", "native-static": "static", "native-compiled": "compiled"}
 METHODS = [*STOCK, "hf-oda-full", "hf-oda-local", *(f"hf-oda-{r}" for r in SCHEDULES), "engine-full", "engine-local",
-           *(f"engine-{r}" for r in SCHEDULES)]
+           *(f"engine-{r}" for r in SCHEDULES), *(f"engine-random-{r}" for r in SCHEDULES)]
 DEFAULT_METHODS = {"cpu": "native-full,hf-oda-12.5,engine-full,engine-12.5,engine-25,engine-50",
                    "cuda": "native-full,native-static,native-compiled,engine-full,engine-local,engine-12.5,engine-25,"
                            "engine-50"}
@@ -64,9 +70,11 @@ HYBRID_METHODS = "native-full,native-static,native-compiled,hf-oda-full,hf-oda-l
 
 def _routing(method: str):
     """(policy, needs a head) for an ODA method."""
-    from oda_hf import SchedulePolicy
+    from oda_hf import RandomPolicy, SchedulePolicy
 
     rate = method.rsplit("-", 1)[1]
+    if "-random-" in method:
+        return RandomPolicy(float(rate) / 100, seed=0, run_head=True), True
     if rate in SCHEDULES:
         return SchedulePolicy(SCHEDULES[rate], PERIOD, run_head=True), True
     return rate, False  # "full" / "local"
@@ -93,8 +101,10 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * nbytes / best
 
 
-def step_bytes(model, length: int, sinks: int, window: int, full_rate: float, runs_local: bool) -> float:
-    """Bytes one decode step must read at least (see the module docstring): weights per pass, output matrix, KV."""
+def step_bytes(model, length: int, sinks: int, window: int, full_rate: float, runs_local: bool,
+               batch: int = 1) -> float:
+    """Bytes one decode step must read at least (see the module docstring): weights per pass, output matrix, KV of
+    every row. `full_rate`: the share of steps that run the Full pass (at batch > 1 the pass reads every row's KV)."""
     output = model.get_output_embeddings().weight
     embedding = model.get_input_embeddings().weight  # read one row per step
     decoder = sum(p.numel() * p.element_size() for p in model.get_decoder().parameters()
@@ -104,7 +114,7 @@ def step_bytes(model, length: int, sinks: int, window: int, full_rate: float, ru
     kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * output.element_size()
     passes = (1 + full_rate) if runs_local else 1
     positions = (min(sinks + window, length) + full_rate * length) if runs_local else length
-    return decoder * passes + output.numel() * output.element_size() + kv_per_position * positions
+    return decoder * passes + output.numel() * output.element_size() + batch * kv_per_position * positions
 
 
 def worker(args) -> dict:
@@ -118,10 +128,10 @@ def worker(args) -> dict:
         model = load_model(model_name(args), dtype, args.seed).to(device)
     steps_total = (1 + args.runs) * args.steps
     generator = torch.Generator().manual_seed(args.seed + 2)
-    last_hidden = torch.randn(1, model.config.hidden_size, generator=generator).to(device, dtype)
+    last_hidden = torch.randn(args.batch, model.config.hidden_size, generator=generator).to(device, dtype)
     first_token = int(torch.randint(model.config.vocab_size, (1,), generator=generator))
     continuation = json.loads(args.continuation) if args.continuation else None
-    history = synthetic_history(model, args.length, args.seed, device)
+    history = synthetic_history(model, args.length, args.seed, device, batch=args.batch)
     produces_continuation = args.method == "native-full"
     if not produces_continuation and continuation is None:
         raise SystemExit(f"{args.method} needs the continuation produced by native-full.")
@@ -131,7 +141,7 @@ def worker(args) -> dict:
         stock = stock_step(model, STOCK[args.method], args.length, args.length + steps_total + 1, history, device)
 
         def step(token):
-            return stock(token.view(1, 1))[:, -1]
+            return stock(token.view(-1, 1))[:, -1]
     else:
         policy, needs_head = _routing(args.method)
         head = RecallHead(RecallHeadConfig.for_base(model)).to(device) if needs_head else None
@@ -146,19 +156,22 @@ def worker(args) -> dict:
         else:
             options = {"full_dot": False} if args.elementwise_full else {}
             engine, captured, capture_seconds = start_engine(oda, history, last_hidden, args.length + steps_total,
-                                                             steps_total, args.bucket_size, **options)
+                                                             steps_total, args.bucket_size, batch=args.batch, **options)
             step = engine.step
 
     # Tokens to feed: native-full reads its argmax (it defines the continuation); the others replay
-    # it from a device tensor, so timed segments contain no host read.
+    # it from a device tensor, so timed segments contain no host read. Every row is fed row 0's token
+    # (token values do not change the work of a step).
     feed = torch.tensor([first_token] + (continuation or [])[:steps_total], device=device)
+    feed = feed[:, None].expand(-1, args.batch).contiguous()
     tokens, seconds = [first_token], []
     with torch.no_grad():
         for segment in range(1 + args.runs):
             _sync(device)
             start = time.perf_counter()
             for index in range(segment * args.steps, (segment + 1) * args.steps):
-                token = torch.tensor([tokens[-1]], device=device) if produces_continuation else feed[index:index + 1]
+                token = (torch.full((args.batch,), tokens[-1], device=device) if produces_continuation
+                         else feed[index])
                 logits = step(token)
                 if produces_continuation:
                     tokens.append(int(logits[0].argmax()))
@@ -166,22 +179,26 @@ def worker(args) -> dict:
             seconds.append(time.perf_counter() - start)
     result = {
         "method": args.method, "length": args.length, "device": args.device, "dtype": args.dtype,
-        "throughput": [args.steps / s for s in seconds[1:]],
+        "batch": args.batch, "throughput": [args.batch * args.steps / s for s in seconds[1:]],  # tokens of all rows
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "continuation": tokens[1:steps_total] if produces_continuation else None,
     }
     if device.type == "cuda":
         result["peak_cuda_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    rate = 1.0 if routing_of(engine, oda) is None else routing_of(engine, oda).full_call_rate
+    routing = routing_of(engine, oda)
+    rate = 1.0 if routing is None else routing.full_call_rate
+    # Share of steps that ran the Full pass (for all rows): above the per-row rate when rows recall independently.
+    full_pass_rate = 1.0 if routing is None else float(routing.decisions.any(0).double().mean())
     runs_local = args.method not in STOCK and not args.method.endswith("-full")
-    result["bytes_limit_ms"] = 1000 * step_bytes(model, args.length, args.sinks, args.window, rate,
-                                                 runs_local) / copy_bandwidth(device)
+    result["bytes_limit_ms"] = 1000 * step_bytes(model, args.length, args.sinks, args.window, full_pass_rate,
+                                                 runs_local, args.batch) / copy_bandwidth(device)
     if engine is not None:
         result.update(graphs=len(engine.graphs) if engine.graphs is not None else 0, graph_keys_captured=len(captured),
                       capture_seconds=capture_seconds, kernels=engine.kernels, graph_mode=engine.graph_mode,
                       conditional=engine.conditional, full_dot=engine.full.use_dot)
-    if routing_of(engine, oda) is not None:
+    if routing is not None:
         result["full_call_rate"] = rate
+        result["full_pass_rate"] = full_pass_rate
     return result
 
 
@@ -190,23 +207,26 @@ def routing_of(engine, oda):
 
 
 def run_worker_subprocess(args, length: int, method: str, continuation) -> dict:
-    extra = ("--device", args.device, "--bucket-size", str(args.bucket_size),
+    extra = ("--device", args.device, "--bucket-size", str(args.bucket_size), "--batch", str(args.batch),
              *(("--elementwise-full",) if args.elementwise_full else ()))
     return decode_throughput.run_worker_subprocess(args, length, method, continuation, script=__file__, extra=extra)
 
 
 def format_table(rows: list[dict], device: str) -> str:
     memory = "Peak CUDA (GB)" if device == "cuda" else "Peak RSS (GB)"
-    lines = [f"| Input tokens | Method | Full (%) | tok/s (median) | ms/token | vs native-full | vs best stock "
-             f"| vs engine-full | bytes limit (ms/token) | {memory} |",
+    lines = [f"| Input tokens | Method | Full (%) | tok/s (median, all rows) | ms/step | vs native-full "
+             f"| vs best stock | vs engine-full | bytes limit (ms/step) | {memory} |",
              "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = row.get("full_call_rate")
         full_pct = "100.0" if rate is None else f"{100 * rate:.1f}"
+        if rate is not None and row.get("full_pass_rate", rate) > rate:  # rows recalled on different steps
+            full_pct += f" (Full pass on {100 * row['full_pass_rate']:.1f}% of steps)"
         vs_engine = f"{row['vs_engine_full']:.2f}x" if row.get("vs_engine_full") is not None else "-"
         mem = row.get("peak_cuda_gb", row["peak_rss_gb"])
-        lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['median']:.3f} | "
-                     f"{1000 / row['median']:.2f} | {row['speedup']:.2f}x | {row['vs_best_stock']:.2f}x | {vs_engine} "
+        step_ms = 1000 * row.get("batch", 1) / row["median"]
+        lines.append(f"| {row['length']:,} | {row['method']} | {full_pct} | {row['median']:.3f} | {step_ms:.2f} | "
+                     f"{row['speedup']:.2f}x | {row['vs_best_stock']:.2f}x | {vs_engine} "
                      f"| {row['bytes_limit_ms']:.3f} | {mem:.2f} |")
     return "\n".join(lines)
 
@@ -218,12 +238,14 @@ def write_results(args, rows: list[dict]) -> str:
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"CPU, {args.threads} threads on {os.cpu_count()} cores")
     header = (f"Static-engine decode benchmark: {MODEL_NAMES[model_name(args)]}, {args.dtype}, {where}, "
+              f"batch {args.batch}, "
               f"s={args.sinks}, w={args.window}, bucket {args.bucket_size}, {args.runs} x {args.steps} measured routed "
               f"steps after {args.steps} warm-up steps"
               f"{'; engine Full kernel elementwise (--elementwise-full)' if args.elementwise_full else ''}.")
     text = header + "\n\n" + format_table(rows, args.device) + "\n"
     os.makedirs(args.output, exist_ok=True)
-    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}{'_elementwise' if args.elementwise_full else ''}"
+    variant = ("_elementwise" if args.elementwise_full else "") + (f"_b{args.batch}" if args.batch > 1 else "")
+    name = f"engine_{model_name(args).replace('-', '_')}_{args.device}{variant}"
     write_text(os.path.join(args.output, name + ".md"), text)
     write_json(os.path.join(args.output, name + ".json"), rows)
     return text
@@ -237,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-size", type=int, default=128, help="graph reuse buckets ceil(L / size)")
     parser.add_argument("--elementwise-full", action="store_true",
                         help="engine arms: the Triton Full kernel's elementwise variant instead of tl.dot (CUDA)")
+    parser.add_argument("--batch", type=argument(integer, "batch", minimum=1), default=1,
+                        help="rows decoded together (stock and engine arms; every row has its own random history)")
     add_shared_arguments(parser, output_help="folder for the table and JSON")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -255,6 +279,8 @@ def main(argv=None) -> int:
     if hybrid and any(method.startswith("engine-") for method in methods):
         raise SystemExit(f"{model_name(args)} is a window-global hybrid: the static engine does not run it; use the "
                          f"stock and hf-oda-* methods ({HYBRID_METHODS}).")
+    if args.batch > 1 and any(method.startswith("hf-oda") for method in methods):
+        raise SystemExit("--batch > 1 runs the stock and engine-* methods; the hf-oda-* arms drive one row.")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or methods[0] != "native-full":
         raise SystemExit(f"--methods must start with native-full and come from {METHODS}; unknown: {unknown}")

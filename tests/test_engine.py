@@ -496,6 +496,25 @@ def test_benchmark_bytes_limit_counts_passes_and_kv():
     assert step_bytes(model, 1000, 4, 60, 1.0, runs_local=False) == decoder + output + kv * 1000
     assert step_bytes(model, 1000, 4, 60, 0.0, runs_local=True) == decoder + output + kv * 64
     assert step_bytes(model, 1000, 4, 60, 0.25, runs_local=True) == 1.25 * decoder + output + kv * (64 + 250)
+    assert step_bytes(model, 1000, 4, 60, 0.25, runs_local=True, batch=3) == \
+        1.25 * decoder + output + 3 * kv * (64 + 250)  # weights once per pass, every row's KV
+
+
+def test_benchmark_script_batch_and_independent_rows(tmp_path):
+    """--batch decodes several rows; with rows recalling independently (engine-random-*) the Full pass runs on
+    every step where any row recalls, which the table reports beside the per-row rate."""
+    rows = run_engine_benchmark(tmp_path, "--tiny", "--batch", "3", "--methods",
+                                "native-full,engine-full,engine-12.5,engine-random-25", "--window", "16",
+                                "--bucket-size", "16")
+    assert [r["batch"] for r in rows] == [3] * 4 and rows[0]["method"] == "native-full"
+    schedule, independent = rows[2], rows[3]
+    assert schedule["full_call_rate"] == pytest.approx(schedule["full_pass_rate"]) == 2 / 12  # rows together
+    assert independent["full_pass_rate"] >= independent["full_call_rate"] > 0
+    assert next(tmp_path.glob("engine_*.md")).name == "engine_tiny_cpu_b3.md"
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "engine_throughput.py")
+    done = subprocess.run([sys.executable, script, "--tiny", "--batch", "2", "--methods", "native-full,hf-oda-local"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "the hf-oda-* arms drive one row" in done.stderr
 
 
 def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
