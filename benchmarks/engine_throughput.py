@@ -19,14 +19,14 @@ Methods, all on the same synthetic history and the same continuation (produced b
   engine-random-{12.5,25,50}  OdaStaticEngine, each row Full with that probability, drawn independently per
                      row (RandomPolicy): the Full pass runs for the whole batch when any row recalls, so at batch B
                      a step runs it with probability 1 - (1 - p)^B
-Bytes limit (ms/token): the time one step would take if it only moved its bytes at the device's copy bandwidth
+Bytes limit (ms/step): the time one step would take if it only moved its bytes at the device's copy bandwidth
 (measured in the worker: a 1 GiB tensor copy, read + write): the decoder's weights once per backbone pass (two
 passes on a step that recalls: Local, then Full), the output matrix once, and the KV each pass reads (all n
-positions for Full, s + w for Local), at the arm's measured Full-call rate. An arm near its limit is bound by
-memory; far above it, by launches and Python.
+positions for Full, s + w for Local) for every row, at the share of steps that ran the Full pass. An arm near its
+limit is bound by memory; far above it, by launches and Python.
 Protocol (as benchmarks/decode_throughput.py, whose model shapes and synthetic history it reuses):
 one warm-up segment and `--runs` measured segments of `--steps` routed steps, run back to back on one
-request; throughput = steps / segment time; median reported with the ratio to native-full (and to
+request; throughput = tokens (steps x rows) / segment time; median reported with the ratio to native-full (and to
 engine-full when both run). Each (length, method) runs in its own subprocess (peak memory is its own).
 On CUDA the engine's graphs for every length bucket the run will touch are captured before timing
 (`capture_buckets`), and segments are timed with device synchronisation at their ends only.

@@ -495,7 +495,7 @@ def shipped_head_dir(name: str) -> str:
 
 
 BASE_NAMES = ("organism", *FETCHABLE)
-HEAD_NAMES = ("organism", "smollm2", "gemma3-270m")
+HEAD_NAMES = ("organism", "smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")
 
 
 def short_name_of(path) -> str | None:
@@ -525,7 +525,7 @@ def resolve_base(name, cache_dir: str | os.PathLike | None = None):
 
 
 def resolve_head(name):
-    """A short head name (``organism``, ``smollm2``, ``gemma3-270m``: the heads shipped in the package) as its folder."""
+    """A short head name (one of `HEAD_NAMES`: the heads shipped in the package) as its folder."""
     if not isinstance(name, (str, os.PathLike)) or os.path.exists(name) or os.fspath(name) not in HEAD_NAMES:
         return name
     folder = organism_dir("head") if name == "organism" else shipped_head_dir(name)
@@ -547,7 +547,7 @@ def base_argument(text: str) -> str:
 
 
 def head_argument(text: str) -> str:
-    """argparse type for ``--head``: ``organism``/``smollm2``/``gemma3-270m`` resolve to the heads shipped in the package."""
+    """argparse type for ``--head``: the names in `HEAD_NAMES` resolve to the heads shipped in the package."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a head folder, a hub id or one of {', '.join(HEAD_NAMES)}; got an "
                                          "empty string.")

