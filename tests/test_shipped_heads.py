@@ -47,6 +47,10 @@ def test_shipped_threshold_is_the_dev_calibration_and_the_card_quotes_it(name):
     card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
     assert f"theta = {routing['threshold']:g}" in card and "Held-out RULER test split" in card
     assert f"| **macro** | {SHIPPED[name][4]} |" in card
+    if calibration["rule"] == "within_full":  # the card says whether the rule was met or fell back
+        met = calibration["chosen"]["macro_score"] >= calibration["full_macro_score"] - calibration["within_full"]
+        assert ("whose dev macro score is within" in card) == met
+        assert ("the rule fell back to the best-scoring one" in card) == (not met)
 
 
 @shipped

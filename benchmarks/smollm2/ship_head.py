@@ -79,9 +79,15 @@ def training_text(head: str, calibration: dict, name: str) -> str:
     sweep = "\n".join(f"| {s['threshold']:g} | {100 * s['pooled_full_call_rate']:.1f}% | {s['macro_score']:.1f} |"
                       for s in calibration["sweep"])
     chosen = calibration["chosen"]
-    rule = (f"the lowest pooled Full-call rate whose dev macro score is within {calibration['within_full']:g} points "
-            f"of Full's {calibration['full_macro_score']:.1f}" if calibration["rule"] == "within_full"
-            else f"the highest pooled dev rate not above {calibration['target_rate']:g}")
+    if calibration["rule"] != "within_full":
+        rule = f"the highest pooled dev rate not above {calibration['target_rate']:g}"
+    elif chosen["macro_score"] >= calibration["full_macro_score"] - calibration["within_full"]:
+        rule = (f"the lowest pooled Full-call rate whose dev macro score is within {calibration['within_full']:g} "
+                f"points of Full's {calibration['full_macro_score']:.1f}")
+    else:  # `choose_threshold` fell back: say so rather than claim the rule was met
+        rule = (f"no threshold of the grid came within {calibration['within_full']:g} points of Full's "
+                f"{calibration['full_macro_score']:.1f}, so the rule fell back to the best-scoring one "
+                f"({chosen['macro_score']:.1f} at {100 * chosen['pooled_full_call_rate']:.1f}% pooled Full calls)")
     return (
         f"Shipped inside oda_hf: `OdaForCausalLM.from_pretrained(\"{name}\", head=\"{name}\")`, where `{name}` is "
         f"{base['source']}; `base_fingerprint` in `config.json` identifies those weights.\n\n"
