@@ -76,7 +76,7 @@ def test_target_rate_is_the_closest_dev_rate_not_above_it_and_is_saved_with_the_
 def test_within_full_rule_and_bad_requests(tmp_path):
     model, dev = oda_model(), examples(2, seed=2)
     result = calibration.calibrate(model, None, dev, tmp_path / "a", within_full=100.0, grid=GRID, progress=False)
-    assert result["rule"] == "within_full" and "full_macro_score" in result
+    assert result["rule"] == "within_full" and "full_macro_score" in result and result["rule_met"] is True
     assert result["chosen"]["pooled_full_call_rate"] == min(s["pooled_full_call_rate"] for s in result["sweep"])
     with pytest.raises(ValueError, match="No threshold on the grid .* Add higher thresholds"):
         calibration.calibrate(model, None, dev, tmp_path / "b", target_rate=0.0, grid=[-10.0], progress=False)
@@ -87,6 +87,9 @@ def test_within_full_rule_and_bad_requests(tmp_path):
     sweep = [{"threshold": 0.0, "macro_score": 80.0, "pooled_full_call_rate": 0.6},
              {"threshold": 0.5, "macro_score": 79.5, "pooled_full_call_rate": 0.3}]
     assert calibration.choose_threshold(sweep, full_score=80.0, tolerance=1.0)["threshold"] == 0.5
+    assert calibration.within_full_met(sweep[1], full_score=80.0, tolerance=1.0)
+    fallback = calibration.choose_threshold(sweep, full_score=85.0, tolerance=2.0)  # none within 2 points of 85
+    assert fallback["threshold"] == 0.0 and not calibration.within_full_met(fallback, 85.0, 2.0)
     assert calibration.choose_for_rate(sweep, 0.5)["threshold"] == 0.5 and calibration.choose_for_rate(sweep, 0.1) is None
 
 

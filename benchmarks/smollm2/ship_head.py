@@ -73,6 +73,8 @@ def _fetched_folder(name: str) -> str | None:
 
 
 def training_text(head: str, calibration: dict, name: str) -> str:
+    from oda_hf.evaluation.calibration import within_full_met
+
     base = BASES[name]
     with open(os.path.join(head, "oda_training.json")) as f:
         settings = json.load(f)["settings"]
@@ -81,7 +83,7 @@ def training_text(head: str, calibration: dict, name: str) -> str:
     chosen = calibration["chosen"]
     if calibration["rule"] != "within_full":
         rule = f"the highest pooled dev rate not above {calibration['target_rate']:g}"
-    elif chosen["macro_score"] >= calibration["full_macro_score"] - calibration["within_full"]:
+    elif within_full_met(chosen, calibration["full_macro_score"], calibration["within_full"]):
         rule = (f"the lowest pooled Full-call rate whose dev macro score is within {calibration['within_full']:g} "
                 f"points of Full's {calibration['full_macro_score']:.1f}")
     else:  # `choose_threshold` fell back: say so rather than claim the rule was met

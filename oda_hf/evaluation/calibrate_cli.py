@@ -112,6 +112,10 @@ def _run_cli(args) -> int:
     chosen = result["chosen"]
     print(f"[oda] chosen theta={chosen['threshold']:g}: dev rate {chosen['pooled_full_call_rate']:.1%}, dev macro "
           f"{chosen['macro_score']:.1f}", file=sys.stderr)
+    if result.get("rule_met") is False:
+        print(f"[oda] warning: no threshold of the grid came within {result['within_full']:g} points of Full's dev "
+              f"macro {result['full_macro_score']:.1f}; theta={chosen['threshold']:g} is the best-scoring one, not one "
+              "that meets --within-full. Add lower thresholds to --grid, or accept the gap.", file=sys.stderr)
     if "test" in result:
         test_result = result["test"]
         print(f"[oda] test ({test_result['examples']} prompts): realised pooled Full-call rate "

@@ -52,6 +52,11 @@ def choose_threshold(sweep: list[dict], full_score: float, tolerance: float) -> 
     return max(sweep, key=lambda s: (s["macro_score"], -s["pooled_full_call_rate"]))
 
 
+def within_full_met(chosen: dict, full_score: float, tolerance: float) -> bool:
+    """Whether the entry `choose_threshold` chose meets the rule (else it is its best-scoring fallback)."""
+    return chosen["macro_score"] >= full_score - tolerance
+
+
 def choose_for_rate(sweep: list[dict], target_rate: float) -> dict | None:
     """The entry with the highest pooled rate ``<= target_rate`` (ties: the lower threshold); None if none."""
     within = [s for s in sweep if s["pooled_full_call_rate"] <= target_rate]
@@ -116,7 +121,8 @@ def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.Pat
         full_score = summarize(records)["full"].score.mean
         sweep = _sweep_entries(records, stage)
         chosen = choose_threshold(sweep, full_score, within_full)
-        result.update(rule="within_full", within_full=within_full, full_macro_score=full_score)
+        result.update(rule="within_full", within_full=within_full, full_macro_score=full_score,
+                      rule_met=within_full_met(chosen, full_score, within_full))
     else:
         sweep = _sweep_entries(records, stage)
         if choose_for_rate(sweep, target_rate) is None:
