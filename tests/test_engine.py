@@ -367,32 +367,6 @@ def test_kernel_backends_agree(baseline, kernels, full_dot):
         torch.testing.assert_close(runs[kernels][1][name], tensor, atol=1e-5, rtol=1e-5, equal_nan=True, msg=name)
 
 
-def test_full_pass_reads_the_history_of_recalling_rows_only(monkeypatch):
-    """The batch's Full pass is `masked`: a row that keeps Local attends only its current column there (its Full
-    output is never used), so the pass reads the KV of the recalling rows alone; the results stay the HF path's
-    (the equivalence tests above)."""
-    from oda_hf.engine import engine as engine_module
-    from oda_hf.engine.attention import engine_attention
-
-    model = make_model(policy="head")
-    ids, mask = left_padded_prompts()
-    engine = OdaStaticEngine(model, max_length=30, batch_size=2, bucket_size=BUCKET)
-    tokens = engine.prefill(ids, mask, max_new_tokens=8).argmax(-1)
-    engine.state.input_ids.copy_(tokens[:, None])
-    monkeypatch.setattr(engine_module.device_routing, "decide",
-                        lambda state, policy, plan, scores: torch.tensor([True, False]))
-    step = engine_module._StepScratch()
-    with torch.no_grad(), engine_attention(model.config):
-        engine._route(engine.graph_key(), step)
-    visible = step.full_mask[:, 0, 0, :]
-    columns = visible.shape[1]
-    position = int(engine.state.cache_position)
-    history = engine.state.column_valid[:, :columns] & (torch.arange(columns) <= position)
-    assert step.select_full.tolist() == [True, False]
-    assert torch.equal(visible[0], history[0]) and int(history[0].sum()) > 1
-    assert visible[1].nonzero().flatten().tolist() == [position]
-
-
 @pytest.mark.parametrize("sinks,window", [(2, 4), (0, 3), (2, 1)])
 @pytest.mark.parametrize("with_full", [True, False])
 def test_state_commit_matches_kernel_reference(sinks, window, with_full):

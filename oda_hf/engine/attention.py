@@ -135,10 +135,9 @@ class LocalAttention:
 class FullAttention:
     """The Full pass's attention over the current bucket's cache columns (current token written at its column).
 
-    * ``triton``: `kernels.full_attention_decode`, split-K over the columns with the length and the engine's
-      column mask read from the device (``cache_position``; ``full_mask``: padding, and only the current column
-      for rows that keep Local), products as tl.dot unless `use_dot` is False; one scratch for all layers (they
-      run in turn);
+    * ``triton``: `kernels.full_attention_decode`, split-K over the columns with the length and padding read
+      from the device (``cache_position``, ``column_valid``), products as tl.dot unless `use_dot` is False; one
+      scratch for all layers (they run in turn);
     * otherwise SDPA with the engine's bool mask ``[B, 1, 1, columns]``. At batch 1 SDPA's masked decode runs
       one program per (row, head) over the whole history, which leaves most of a GPU idle at long context.
 
@@ -160,8 +159,7 @@ class FullAttention:
             return sdpa_attention_forward(module, query, keys, values, full_mask, dropout=0.0, scaling=scaling,
                                           is_causal=False)[0]
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-        visible = full_mask[:, 0, 0, :]  # [B, columns]: the engine's mask (padding; rows that keep Local)
-        out = full_attention_decode(query, keys, values, visible, self.state.cache_position, scale,
+        out = full_attention_decode(query, keys, values, self.state.column_valid, self.state.cache_position, scale,
                                     out=self.outputs[module.layer_idx], scratch=self.scratch, use_dot=self.use_dot)
         return out.transpose(1, 2)
 

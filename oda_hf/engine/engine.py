@@ -7,9 +7,7 @@ One routed step (paper Algorithm 1 and App. "Selected-state execution"), all on 
     select_full[b] = the policy's rule (q > theta or q not finite; the schedule; precomputed Random draws),
                      False for rows whose history is within s + w (Local == Full there, as on the HF path)
     if any(select_full): Full backbone over the cache's bucket columns (torch.cond: an IF node), for the
-                         whole batch (a per-row retry would change shapes, which a captured graph fixes);
-                         its attention reads the history of the recalling rows only (the rest see their
-                         current column: their Full output is never used)
+                         whole batch (a per-row retry would change shapes, which a captured graph fixes)
     h = select_full ? h_F : h_L   per row;  commit selected KV to cache column n and the ring
     h_prev = h;  n += 1;  valid_count += 1;  step_counter += 1
 
@@ -455,6 +453,8 @@ class OdaStaticEngine:
         self._caches[FULL].full_columns = columns
         step.embeds = embeds = self.embed(state.input_ids)
         step.positions = state.valid_count[:, None].clone()  # 0-based position of the current valid token
+        full_mask = (state.column_valid[:, :columns] & (self._column_index[:columns] <= state.cache_position))
+        step.full_mask = full_mask[:, None, None, :]
         scores = None
         if plan.run_local:
             step.local_hidden = self._decode(LOCAL, embeds, step.positions, oda_local=self.local,
@@ -473,13 +473,6 @@ class OdaStaticEngine:
                 scores = torch.where(in_window.all(), torch.full_like(scores, float("nan")), scores)
         device_routing.record(state, select_full, scores, in_window)
         step.select_full, step.any_full = select_full, select_full.any()
-        visible = state.column_valid[:, :columns] & (self._column_index[:columns] <= state.cache_position)
-        if plan.run_local:
-            # The batch's Full pass in its `masked` form: a row that keeps Local never uses its Full output, so its
-            # Full attention reads only the current column, and the pass reads the history of the recalling rows
-            # alone (the projections and MLP still run for every row: shapes stay fixed for the graphs).
-            visible = visible & (select_full[:, None] | (self._column_index[:columns] == state.cache_position))
-        step.full_mask = visible[:, None, None, :]
 
     def _full_part(self, key: GraphKey, step: "_StepScratch") -> None:
         """The Full pass of a split step (conditional="host"), run only when some row recalls."""
