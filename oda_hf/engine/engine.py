@@ -101,7 +101,7 @@ class OdaStaticEngine:
             head, Full, commit, with one host read of the decision between them; default with CUDA graphs on
             older torch) or ``"eager"`` (Python ``if`` on the predicate; default without graphs).
         full_dot: with ``kernels="triton"``, whether the Full kernel's two products run as ``tl.dot`` (tensor
-            cores; the default) or elementwise (``False``). Measured on an H200: 1.5-2.4x faster per layer at
+            cores; the default) or elementwise (``False``). Measured on an H200: 1.6-1.8x faster per layer at
             16K-32K columns, the always-Full step 4.70 -> 2.95 ms at 32K (Qwen2.5-0.5B shapes).
 
     Use `generate` for whole requests; `prefill` / `load_history` + `step` drive it token by token.
