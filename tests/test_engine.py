@@ -419,6 +419,8 @@ def test_unsupported_settings_raise_clearly():
         engine.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0)
     with pytest.raises(ValueError, match="full_dot selects a variant of the Triton Full kernel"):
         OdaStaticEngine(model, max_length=20, batch_size=2, bucket_size=BUCKET, kernels="sdpa", full_dot=True)
+    with pytest.raises(TypeError, match="full_dot must be None"):
+        OdaStaticEngine(model, max_length=20, batch_size=2, bucket_size=BUCKET, full_dot="yes")
     engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
     with pytest.raises(RuntimeError, match="started for 3 routed steps"):  # the request's planned steps are done
         engine.step(ids[:, -1])

@@ -128,6 +128,9 @@ class OdaStaticEngine:
         self.kernels = self._resolve_kernels(kernels)
         self.graph_mode = self._resolve_graph_mode(graph_mode)
         self.conditional = self._resolve_conditional(conditional)
+        if full_dot not in (None, True, False):
+            raise TypeError(f"full_dot must be None (the default: tl.dot with Triton), True or False; got "
+                            f"{full_dot!r}.")
         if full_dot is not None and self.kernels != "triton":
             raise ValueError(f"full_dot selects a variant of the Triton Full kernel; kernels is {self.kernels!r}.")
 

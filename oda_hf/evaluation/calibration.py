@@ -43,18 +43,18 @@ DEV_RECORDS, TEST_RECORDS = "calibration_records.jsonl", "test_records.jsonl"
 INPUTS_NAME = "calibration_inputs.json"
 
 
+def within_full_met(entry: dict, full_score: float, tolerance: float) -> bool:
+    """Whether a sweep entry's macro score is within `tolerance` of Full's (the within-Full rule)."""
+    return entry["macro_score"] >= full_score - tolerance
+
+
 def choose_threshold(sweep: list[dict], full_score: float, tolerance: float) -> dict:
     """The sweep entry with the lowest pooled rate whose score is >= Full's - `tolerance` (ties: the
     lower threshold). Falls back to the best-scoring entry if none is that close."""
-    close = [s for s in sweep if s["macro_score"] >= full_score - tolerance]
+    close = [s for s in sweep if within_full_met(s, full_score, tolerance)]
     if close:
         return min(close, key=lambda s: (s["pooled_full_call_rate"], s["threshold"]))
     return max(sweep, key=lambda s: (s["macro_score"], -s["pooled_full_call_rate"]))
-
-
-def within_full_met(chosen: dict, full_score: float, tolerance: float) -> bool:
-    """Whether the entry `choose_threshold` chose meets the rule (else it is its best-scoring fallback)."""
-    return chosen["macro_score"] >= full_score - tolerance
 
 
 def choose_for_rate(sweep: list[dict], target_rate: float) -> dict | None:
