@@ -44,25 +44,27 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside `path`; when the block ends normally it is synced and renamed to `path`.
 
     For writers that want a file name (safetensors, matplotlib, zip extraction). On an exception the
-    temporary is removed and `path` is untouched."""
+    temporary is removed and `path` is untouched. The temporary lives in a private ``.<name>.partial-*``
+    folder, so the writer's own temporaries land there too (safetensors >= 0.7 writes through a ``.tmpXXXXXX``
+    file beside its target): a kill -9 leaves one staging folder that `remove_stale_partials` clears, never a
+    stray file in the output folder."""
     path = os.fspath(path)
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
-    # The suffix is kept: writers such as matplotlib choose the format from the extension.
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", suffix=os.path.splitext(path)[1],
-                                     dir=folder or ".")
-    os.close(fd)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.partial-", dir=folder or ".")
+    # The file keeps its own name: writers such as matplotlib choose the format from the extension.
+    temporary = os.path.join(staging, os.path.basename(path))
     try:
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a published file follows the umask
+        with open(temporary, "wb"):
+            pass
+        os.chmod(temporary, 0o666 & ~_umask())  # a published file follows the umask
         yield temporary
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     _fsync_folder(folder)
 
 

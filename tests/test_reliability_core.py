@@ -16,7 +16,10 @@ import torch
 
 from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
 from oda_hf.cli import main, parse_policy
-from oda_hf.files import atomic_write, output_lock, publish_files, staging_folder, write_json
+from safetensors.torch import save_file
+
+from oda_hf.files import (atomic_path, atomic_write, output_lock, publish_files, remove_stale_partials,
+                           staging_folder, write_json)
 from oda_hf.validation import argument, integer, number, parse_policy_text, probability
 from tiny_models import save_with_word_tokenizer, tiny_model
 
@@ -215,6 +218,30 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
             raise RuntimeError("killed")
     assert path.read_text() == '{\n "v": 1\n}\n'
     assert os.listdir(tmp_path) == ["out.json"]  # no temporary left behind
+
+
+def test_a_writer_killed_inside_atomic_path_leaves_only_a_staging_folder(tmp_path):
+    """safetensors >= 0.7 writes through its own ``.tmpXXXXXX`` file beside the path it is given; a kill between its
+    write and its rename must not leave that file in the output folder, where no cleanup knows its name (a CI failure
+    of the kill -9 supervision test). The writer's temporaries land in atomic_path's staging folder."""
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, signal
+        import torch
+        from safetensors.torch import save_file
+        from oda_hf.files import atomic_path
+        with atomic_path({str(out / "shard.safetensors")!r}) as temporary:
+            save_file({{"x": torch.zeros(4)}}, temporary)
+            open(os.path.join(os.path.dirname(temporary), ".tmpAbCdEf"), "w").close()  # safetensors' own, mid-write
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -signal.SIGKILL
+    assert [name.split(".partial-")[0] for name in os.listdir(out)] == [".shard.safetensors"]  # one staging folder
+    remove_stale_partials(out)
+    assert os.listdir(out) == []
+    with atomic_path(out / "shard.safetensors") as temporary:  # and a completed write leaves only its file
+        save_file({"x": torch.zeros(4)}, temporary)
+    assert os.listdir(out) == ["shard.safetensors"]
 
 
 def test_publish_files_moves_the_marker_last(tmp_path):

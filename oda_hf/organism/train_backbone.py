@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..files import atomic_path
 from .corpus import (
     BOS_ID,
     EOS_ID,
@@ -292,9 +293,8 @@ def save_checkpoint(path: str, *, cfg: TrainConfig, model, optimizer, scheduler,
              "n_seen": n_seen, "elapsed": elapsed, "scheduler": scheduler.state_dict(),
              "optimizer": {"param_groups": optimizer_state["param_groups"], "state": plain_state},
              "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}
-    tmp = path + ".tmp"
-    save_file(_unshared(tensors), tmp, metadata={"oda_organism_checkpoint": json.dumps(state)})
-    os.replace(tmp, path)
+    with atomic_path(path) as temporary:  # its staging folder also holds safetensors' own temporary
+        save_file(_unshared(tensors), temporary, metadata={"oda_organism_checkpoint": json.dumps(state)})
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
