@@ -173,6 +173,27 @@ def test_engine_args_refuse_what_would_change_results(tmp_path):
         engine_args("organism", head=str(tmp_path / "small_head"))
 
 
+def test_qwen3_5_gets_what_vllm_gives_its_own_class(tmp_path):
+    """vLLM adjusts a Qwen3.5 engine by architecture name, which the ODA name does not match: engine_args does the
+    same (recurrent-state dtype from the checkpoint, one-dimensional rotary positions) and turns prefix caching off."""
+    import json
+
+    from oda_hf.vllm import _qwen3_5_settings, oda_architecture
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"],
+                                                      "rope_parameters": rope, "mamba_ssm_dtype": "float32"}))
+    assert oda_architecture(str(tmp_path)) == "OdaQwen3_5ForCausalLM"
+    overrides = {}
+    assert _qwen3_5_settings(str(tmp_path), overrides) == {"enable_prefix_caching": False,
+                                                           "mamba_ssm_cache_dtype": "float32"}
+    assert overrides == {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"],
+                                                      "rope_parameters": {"rope_theta": 1e6}}))
+    overrides = {}
+    assert _qwen3_5_settings(str(tmp_path), overrides) == {"enable_prefix_caching": False} and overrides == {}
+
+
 @pytest.mark.parametrize("settings,message", [
     (dict(sinks=2.5), "`sinks` must be an integer"), (dict(window=0), "`window` must be an integer >= 1 and"),
     (dict(sinks=-1), "`sinks` must be an integer >= 0 and"), (dict(window="16"), "`window` must be an integer"),

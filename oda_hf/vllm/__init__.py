@@ -33,6 +33,7 @@ ODA_ARCHITECTURES = {
     "MistralForCausalLM": "OdaLlamaForCausalLM",
     "Qwen2ForCausalLM": "OdaQwen2ForCausalLM",
     "Qwen3ForCausalLM": "OdaQwen3ForCausalLM",
+    "Qwen3_5ForCausalLM": "OdaQwen3_5ForCausalLM",
     "Gemma3ForCausalLM": "OdaGemma3ForCausalLM",
 }
 
@@ -80,12 +81,32 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         check_head_fits(settings.head, folder)
     note_served_head(settings.head is not None)  # lets admission refuse head requests to a headless server
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
-    overrides.update(architectures=[oda_architecture(folder)], oda=settings.to_override())
+    architecture = oda_architecture(folder)
+    overrides.update(architectures=[architecture], oda=settings.to_override())
     kwargs = dict(model=folder, hf_overrides=overrides, worker_cls=worker_class_name())
+    if architecture == "OdaQwen3_5ForCausalLM":
+        kwargs.update(_qwen3_5_settings(folder, overrides))
     if not kwargs["worker_cls"].endswith("OdaCPUWorker"):
         kwargs["enforce_eager"] = True   # no CUDA graphs for ODA's routed step (see model.py); never run here
     kwargs.update(vllm_kwargs)
     return kwargs
+
+
+def _qwen3_5_settings(model_folder: str, overrides: dict) -> dict:
+    """What vLLM does for its own Qwen3.5 class by architecture name (`Qwen3_5ForCausalLMConfig`), which the ODA
+    name does not reach: the recurrent state's dtype from the checkpoint (``mamba_ssm_dtype``) and one-dimensional
+    rotary positions for the text model. Prefix caching defaults to off: it would cache recurrent states written by
+    Local steps (the model refuses it)."""
+    with open(os.path.join(model_folder, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and ({"mrope_section", "mrope_interleaved"} & rope.keys()):
+        overrides["rope_parameters"] = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    settings = {"enable_prefix_caching": False}
+    if config.get("mamba_ssm_dtype"):
+        settings["mamba_ssm_cache_dtype"] = config["mamba_ssm_dtype"]
+    return settings
 
 
 def check_head_fits(head_folder: str, model_folder: str) -> None:

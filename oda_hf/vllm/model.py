@@ -1,4 +1,4 @@
-"""ODA model classes for vLLM: the stock Llama / Qwen2 / Qwen3 / Gemma 3 models with a routed decode step.
+"""ODA model classes for vLLM: the stock Llama / Qwen2 / Qwen3 / Qwen3.5 / Gemma 3 models with a routed decode step.
 
 Each class is vLLM's own model (its modules, weight loading, `compute_logits`) with one change: `forward` returns,
 for every decode row, the final hidden state of the branch ODA selected (ODA_SPEC 2). Per step:
@@ -6,11 +6,14 @@ for every decode row, the final hidden state of the branch ODA selected (ODA_SPE
 1. One pass over all scheduled tokens. Prefill chunks, decode steps whose history still fits in sinks + window and
    rows already decided Full (policy ``full``, a Random or schedule hit) attend natively; the other decode rows attend
    Local, read from the paged cache (`attention.paged_local_attention`), in the global layers; a hybrid's
-   sliding-window layers (Gemma 3) attend natively in every pass. Every token's KV is written to its slot.
+   sliding-window layers (Gemma 3) attend natively in every pass. Every token's KV is written to its slot. A
+   hybrid's linear-attention layers (Qwen3.5's Gated DeltaNet) update each row's recurrent state in place, so the
+   states of the rows the head will judge are saved first (`RecurrentStates`).
 2. The recall head scores the rows that use it: ``q = head(h_prev, embed(x_t), h_L)``; Full where ``q > theta`` or
    ``q`` is not finite.
 3. A Full pass over those rows only (metadata built for that sub-batch): it overwrites their KV slot, so the last
-   pass to write a row's slot is its selected branch.
+   pass to write a row's slot is its selected branch. Recurrent states of those rows are restored before it, so the
+   Full pass applies the step's update once, from the same state as the Local pass.
 4. ``h_prev`` of every row becomes the hidden state of its last token (prefill: Full; decode: the selected one).
 
 Sampling, logits processors and the scheduler stay vLLM's. The routing state lives in the ODA model runner
@@ -52,6 +55,7 @@ class OdaCausalLMMixin:
         layers = [module for module in self.modules() if isinstance(module, Attention)]
         check_prefix_caching(layers, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                              hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+        self.__dict__["oda_recurrent"] = RecurrentStates.of(self, vllm_config.cache_config)
         for module in routed_layers(layers):
             module.impl.__class__ = oda_attention_impl_class(type(module.impl), module.attn_backend.get_name())
         for module in layers:
@@ -89,6 +93,7 @@ class OdaCausalLMMixin:
                 (native_rows if decided else local_rows).append(row)
                 state.record(decided)
 
+        saved = self.oda_recurrent.save(head_rows) if head_rows and self.oda_recurrent else None
         if local_rows:
             device = input_ids.device
             plan = LocalPlan(sinks=settings.sinks, window=settings.window,
@@ -103,13 +108,13 @@ class OdaCausalLMMixin:
             hidden = super().forward(input_ids, positions, None, None)
 
         if head_rows:
-            self._decide_and_retry(step, head_rows, input_ids, positions, hidden)
+            self._decide_and_retry(step, head_rows, input_ids, positions, hidden, saved)
         for row, state in enumerate(step.states):
             last = step.token_start[row] + step.token_count[row] - 1
             state.prev_hidden = hidden[last].detach().clone()
         return hidden
 
-    def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden):
+    def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden, saved=None):
         head = self.oda_head
         if head is None:
             raise RuntimeError("policy 'head' reached a model served without a recall head.")
@@ -130,10 +135,68 @@ class OdaCausalLMMixin:
         if not retry_rows:
             return
         retry_tokens = step.tokens_of(retry_rows, hidden.device)
+        if saved is not None:
+            saved.restore([head_rows.index(row) for row in retry_rows])
         metadata, slots = step.metadata_for(retry_rows)
         with _swapped_forward_context(metadata, slots):
             full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)
         hidden[retry_tokens] = full_hidden
+
+
+class RecurrentStates:
+    """The in-place recurrent states of a hybrid's linear-attention layers (vLLM's `MambaBase` layers: Qwen3.5's Gated
+    DeltaNet keeps a convolution state and a recurrent state per request).
+
+    A decode step updates them in place, so a row retried with Full would apply the step twice. `save` copies the
+    rows' states before the step's first pass; `SavedStates.restore` puts a subset back before the Full pass. The
+    slots are read from the step's own metadata of each layer (``non_spec_state_indices_tensor``, one per request,
+    in batch order), so they are right under any of vLLM's state-cache modes."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    @classmethod
+    def of(cls, model, cache_config) -> "RecurrentStates | None":
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+        layers = [module for module in model.modules() if isinstance(module, MambaBase)]
+        if not layers:
+            return None
+        if cache_config.enable_prefix_caching:
+            raise ValueError("ODA cannot serve a model with linear-attention (recurrent) layers with prefix caching on: "
+                             "vLLM would cache recurrent states that Local decode steps wrote, and a later request "
+                             "would start from them. Turn prefix caching off (enable_prefix_caching=False / "
+                             "--no-enable-prefix-caching; oda_hf.vllm.engine_args does by default).")
+        return cls(layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def save(self, rows: list) -> "SavedStates":
+        from vllm.forward_context import get_forward_context
+
+        metadata = get_forward_context().attn_metadata
+        saved = []
+        for layer in self.layers:
+            slots = metadata[layer.prefix].non_spec_state_indices_tensor
+            if slots is None:
+                raise RuntimeError("ODA internal error: a decode step without per-request state slots (speculative "
+                                   "decoding is not supported with ODA).")
+            index = slots[torch.tensor(rows, device=slots.device)].long()
+            saved.append((layer, index, [state.index_select(0, index.to(state.device)) for state in layer.kv_cache]))
+        return SavedStates(saved)
+
+
+class SavedStates:
+    def __init__(self, saved: list):
+        self.saved = saved
+
+    def restore(self, positions: list) -> None:
+        """Put back the saved states of the saved rows at `positions` (indices into the rows given to `save`)."""
+        for layer, index, copies in self.saved:
+            chosen = torch.tensor(positions, device=index.device)
+            for state, copy in zip(layer.kv_cache, copies):
+                state.index_copy_(0, index[chosen].to(state.device), copy[chosen.to(copy.device)])
 
 
 @contextlib.contextmanager
@@ -203,6 +266,28 @@ def _gemma3():
     from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 
     return Gemma3ForCausalLM
+
+
+def _qwen3_5():
+    try:
+        from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
+    except (ImportError, RuntimeError) as err:
+        if "torchvision" not in f"{getattr(err, 'name', '')} {err}":
+            raise
+        raise ImportError(f"vLLM's Qwen3.5 module imports its vision code, which needs a working torchvision ({err}). "
+                          "Install the torchvision build that matches your torch (for a CPU torch: pip install "
+                          "torchvision --index-url https://download.pytorch.org/whl/cpu).") from err
+    return Qwen3_5ForCausalLM
+
+
+_LAZY_CLASSES = {"OdaQwen3_5ForCausalLM": _qwen3_5}  # imported on first use: its vLLM module needs torchvision
+
+
+def __getattr__(name: str):
+    if name in _LAZY_CLASSES:
+        globals()[name] = cls = _oda_class(_LAZY_CLASSES[name](), name)
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 OdaLlamaForCausalLM = _oda_class(_llama(), "OdaLlamaForCausalLM")

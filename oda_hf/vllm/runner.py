@@ -120,6 +120,7 @@ class OdaRunnerMixin:
         device = positions.device
         tokens_dev = tokens.to(device)
         metadata, slots = {}, {}
+        seq_lens_cpu = (computed + counts).to(torch.int32)
         for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
             layer_slots = context.slot_mapping[group.layer_names[0]][tokens_dev]
             common = CommonAttentionMetadata(
@@ -128,6 +129,7 @@ class OdaRunnerMixin:
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
                 block_table_tensor=self.input_batch.block_table[gid].get_device_tensor(num_reqs)[rows_t.to(device)],
                 slot_mapping=layer_slots, causal=True, is_prefilling=computed < prompt,
+                seq_lens_cpu_upper_bound=seq_lens_cpu,  # read by the Gated DeltaNet builder
                 positions=positions[tokens_dev],
             )
             for attn_group in self.attn_groups[gid]:
