@@ -606,3 +606,24 @@ def test_qwen3_5_without_torchvision_names_the_fix():
                                                                                           "PYTHONPATH": REPO})
     assert proc.returncode != 0
     assert "needs a working torchvision" in proc.stderr and "pip install torchvision" in proc.stderr
+
+
+def test_oda_serve_command_line_carries_the_engine_settings(qwen3_5):
+    """`oda serve`'s server command line, parsed by vLLM's own server parser: Qwen3.5's settings from engine_args
+    (prefix caching off) arrive; a flag the user passes after `--` wins."""
+    snippet = """
+import argparse, json, sys
+from oda_hf.vllm.server import serve_argv
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = argparse.Namespace(base=sys.argv[1], head=sys.argv[1] + "/head", sinks=4, window=16, threshold=None,
+                          policy=None, dtype="bfloat16", host="127.0.0.1", port=8000)
+parser = make_arg_parser(FlexibleArgumentParser())
+plain = parser.parse_args(serve_argv(args, [])[1:])
+overridden = parser.parse_args(serve_argv(args, ["--enable-prefix-caching"])[1:])
+print(json.dumps([plain.enable_prefix_caching, overridden.enable_prefix_caching, plain.worker_cls]))
+"""
+    proc = subprocess.run([VLLM_PYTHON, "-c", snippet, qwen3_5["folder"]], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [False, True, "oda_hf.vllm.worker.OdaCPUWorker"]

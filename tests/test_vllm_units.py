@@ -310,3 +310,13 @@ def test_prefix_caching_of_a_hybrid_needs_the_hybrid_kv_cache_manager():
     check_prefix_caching(hybrid, prefix_caching=True, hybrid_manager=True)
     check_prefix_caching(hybrid, prefix_caching=False, hybrid_manager=False)
     check_prefix_caching([_attention_layer("layers.1")], prefix_caching=True, hybrid_manager=False)  # full layers only
+
+
+def test_oda_serve_passes_every_engine_setting_as_a_flag():
+    """`oda serve` once dropped engine_args' settings beyond the model, overrides and worker: on a GPU the server
+    would have started with CUDA graphs (refused by the model), and a Qwen3.5 server with prefix caching on."""
+    from oda_hf.vllm.server import engine_flags
+
+    assert engine_flags({"enforce_eager": True, "enable_prefix_caching": False, "mamba_ssm_cache_dtype": "float32"}) == [
+        "--enforce-eager", "--no-enable-prefix-caching", "--mamba-ssm-cache-dtype", "float32"]
+    assert engine_flags({}) == []

@@ -93,10 +93,26 @@ def serve_argv(args, passthrough: list[str]) -> list[str]:
 
     kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
                          policy=args.policy)
-    return ["vllm.entrypoints.openai.api_server", "--model", kwargs["model"], "--hf-overrides", json.dumps(kwargs["hf_overrides"]),
-            "--worker-cls", kwargs["worker_cls"],
+    return ["vllm.entrypoints.openai.api_server", "--model", kwargs.pop("model"),
+            "--hf-overrides", json.dumps(kwargs.pop("hf_overrides")), "--worker-cls", kwargs.pop("worker_cls"),
+            *engine_flags(kwargs),
             "--middleware", "oda_hf.vllm.server.oda_routing_middleware", "--dtype", args.dtype,
             "--host", args.host, "--port", str(args.port), *passthrough]
+
+
+def engine_flags(kwargs: dict) -> list[str]:
+    """`engine_args`' other settings as the server's flags (``enforce_eager=True`` -> ``--enforce-eager``,
+    ``enable_prefix_caching=False`` -> ``--no-enable-prefix-caching``); flags given after them win."""
+    flags = []
+    for key, value in kwargs.items():
+        name = key.replace("_", "-")
+        if value is True:
+            flags.append(f"--{name}")
+        elif value is False:
+            flags.append(f"--no-{name}")
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags
 
 
 def run_serve(args) -> int:
