@@ -50,9 +50,29 @@ def build_model(folder, heads: int, kv_heads: int, seed: int = 0, family: str = 
         model.lm_head.weight.mul_(4.0)   # sharper logits: greedy paths that fp noise does not flip
     model.save_pretrained(folder)
     save_word_tokenizer(folder)
-    head = RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW))
-    head.save_pretrained(os.path.join(folder, "head"))
+    save_random_head(model, folder)
     return model
+
+
+def save_random_head(model, folder) -> None:
+    RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW)).save_pretrained(
+        os.path.join(folder, "head"))
+
+
+def served_model(tmp_path_factory, name: str, build, prompt_seed: int):
+    """A fresh folder with a tiny model built by `build` and its random head, and a prompt at each window edge."""
+    tmp = tmp_path_factory.mktemp(name)
+    folder = str(tmp / "model")
+    model = build(folder)
+    long = [prompt(n, seed=n + prompt_seed) for n in EDGE_LENGTHS]
+    return tmp, folder, model, os.path.join(folder, "head"), long
+
+
+def edge_batches(long: list) -> dict:
+    """Full (with logprobs), Local and head requests for each prompt of `long`."""
+    return {"full": [request(ids, policy="full", logprobs=1) for ids in long],
+            "local": [request(ids, policy="local") for ids in long],
+            "head": [request(ids, policy="head", threshold=0.0) for ids in long]}
 
 
 def save_word_tokenizer(folder) -> None:
@@ -387,22 +407,15 @@ def build_gemma3(folder, seed: int = 5):
         model.lm_head.weight.mul_(4.0)
     model.save_pretrained(folder)
     save_word_tokenizer(folder)
-    head = RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW))
-    head.save_pretrained(os.path.join(folder, "head"))
+    save_random_head(model, folder)
     return model
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """One stock engine and one ODA engine (prefix caching on) for a tiny Gemma 3."""
-    tmp = tmp_path_factory.mktemp("vllm_gemma3")
-    folder = str(tmp / "model")
-    model = build_gemma3(folder)
-    head = os.path.join(folder, "head")
-    long = [prompt(n, seed=n + 11) for n in EDGE_LENGTHS]
-    batches = {"full": [request(ids, policy="full", logprobs=1) for ids in long],
-               "local": [request(ids, policy="local") for ids in long],
-               "head": [request(ids, policy="head", threshold=0.0) for ids in long]}
+    tmp, folder, model, head, long = served_model(tmp_path_factory, "vllm_gemma3", build_gemma3, prompt_seed=11)
+    batches = edge_batches(long)
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
                    enable_prefix_caching=True)
     results = dict(zip(batches, oda))
@@ -484,22 +497,15 @@ def build_qwen3_5(folder, seed: int = 3):
     # Loaded back as a user would: `.to(bfloat16)` above also rounded the rotary inverse frequencies (a buffer the
     # checkpoint does not hold), so the object in memory is not the model vLLM serves.
     model = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    head = RecallHead(RecallHeadConfig.for_base(model, head_width=32, sinks=SINKS, window=WINDOW))
-    head.save_pretrained(os.path.join(folder, "head"))
+    save_random_head(model, folder)
     return model
 
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     """One stock engine and one ODA engine for a tiny Qwen3.5 (2 Gated DeltaNet + 2 full-attention layers)."""
-    tmp = tmp_path_factory.mktemp("vllm_qwen3_5")
-    folder = str(tmp / "model")
-    model = build_qwen3_5(folder)
-    head = os.path.join(folder, "head")
-    long = [prompt(n, seed=n + 23) for n in EDGE_LENGTHS]
-    batches = {"full": [request(ids, policy="full", logprobs=1) for ids in long],
-               "local": [request(ids, policy="local") for ids in long],
-               "head": [request(ids, policy="head", threshold=0.0) for ids in long],
+    tmp, folder, model, head, long = served_model(tmp_path_factory, "vllm_qwen3_5", build_qwen3_5, prompt_seed=23)
+    batches = {**edge_batches(long),
                # the head asks for Full at every decided step: each such step runs Local, restores the recurrent
                # states and reruns Full, which must end where always-Full does
                "head_always": [request(ids, policy="head", threshold=-1e9, logprobs=1) for ids in long],
