@@ -93,7 +93,7 @@ class OdaCausalLMMixin:
                 (native_rows if decided else local_rows).append(row)
                 state.record(decided)
 
-        saved = self.oda_recurrent.save(head_rows) if head_rows and self.oda_recurrent else None
+        saved = self.oda_recurrent.save(head_rows) if head_rows and self.oda_recurrent is not None else None
         if local_rows:
             device = input_ids.device
             plan = LocalPlan(sinks=settings.sinks, window=settings.window,
@@ -136,7 +136,7 @@ class OdaCausalLMMixin:
             return
         retry_tokens = step.tokens_of(retry_rows, hidden.device)
         if saved is not None:
-            saved.restore([head_rows.index(row) for row in retry_rows])
+            saved.restore([i for i, full in enumerate(recall) if full])  # positions among head_rows
         metadata, slots = step.metadata_for(retry_rows)
         with _swapped_forward_context(metadata, slots):
             full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)
@@ -169,20 +169,19 @@ class RecurrentStates:
                              "--no-enable-prefix-caching; oda_hf.vllm.engine_args does by default).")
         return cls(layers)
 
-    def __bool__(self) -> bool:
-        return bool(self.layers)
-
     def save(self, rows: list) -> "SavedStates":
         from vllm.forward_context import get_forward_context
 
         metadata = get_forward_context().attn_metadata
-        saved = []
+        saved, rows_t = [], None
         for layer in self.layers:
             slots = metadata[layer.prefix].non_spec_state_indices_tensor
             if slots is None:
                 raise RuntimeError("ODA internal error: a decode step without per-request state slots (speculative "
                                    "decoding is not supported with ODA).")
-            index = slots[torch.tensor(rows, device=slots.device)].long()
+            if rows_t is None:  # one index tensor per step, not per layer
+                rows_t = torch.tensor(rows, device=slots.device)
+            index = slots[rows_t].long()
             saved.append((layer, index, [state.index_select(0, index.to(state.device)) for state in layer.kv_cache]))
         return SavedStates(saved)
 
@@ -193,8 +192,10 @@ class SavedStates:
 
     def restore(self, positions: list) -> None:
         """Put back the saved states of the saved rows at `positions` (indices into the rows given to `save`)."""
+        chosen = None
         for layer, index, copies in self.saved:
-            chosen = torch.tensor(positions, device=index.device)
+            if chosen is None:  # one index tensor per step, not per layer
+                chosen = torch.tensor(positions, device=index.device)
             for state, copy in zip(layer.kv_cache, copies):
                 state.index_copy_(0, index[chosen].to(state.device), copy[chosen.to(copy.device)])
 
