@@ -22,8 +22,8 @@ Methods, all on the same synthetic history and the same continuation (produced b
 Bytes limit (ms/step): the time one step would take if it only moved its bytes at the device's copy bandwidth
 (measured in the worker: a 1 GiB tensor copy, read + write): the decoder's weights once per backbone pass (two
 passes on a step that recalls: Local, then Full), the output matrix once, and the KV each pass reads (all n
-positions for Full, s + w for Local) for every row, at the share of steps that ran the Full pass. An arm near its
-limit is bound by memory; far above it, by launches and Python.
+positions for Full, s + w for Local; a sliding-window layer its window in every pass) for every row, at the share of
+steps that ran the Full pass. An arm near its limit is bound by memory; far above it, by launches and Python.
 Protocol (as benchmarks/decode_throughput.py, whose model shapes and synthetic history it reuses):
 one warm-up segment and `--runs` measured segments of `--steps` routed steps, run back to back on one
 request; throughput = tokens (steps x rows) / segment time; median reported with the ratio to native-full (and to
@@ -35,7 +35,7 @@ Usage:
   python benchmarks/engine_throughput.py                              # CPU, Qwen3-0.6B shapes, 4K-32K, fp32
   python benchmarks/engine_throughput.py --tiny --lengths 256,1024     # seconds
   python benchmarks/engine_throughput.py --device cuda                # GPU: bf16, graphs, Triton kernels
-  python benchmarks/engine_throughput.py --device cuda --model gemma3-270m   # hybrid: stock and HF-path arms
+  python benchmarks/engine_throughput.py --device cuda --model gemma3-270m   # window-global hybrid: + HF-path arms
 """
 
 from __future__ import annotations
@@ -64,8 +64,10 @@ METHODS = [*STOCK, "hf-oda-full", "hf-oda-local", *(f"hf-oda-{r}" for r in SCHED
 DEFAULT_METHODS = {"cpu": "native-full,hf-oda-12.5,engine-full,engine-12.5,engine-25,engine-50",
                    "cuda": "native-full,native-static,native-compiled,engine-full,engine-local,engine-12.5,engine-25,"
                            "engine-50"}
-# Hybrids (Gemma) have no static engine: the HF path's arms instead.
-HYBRID_METHODS = "native-full,native-static,native-compiled,hf-oda-full,hf-oda-local,hf-oda-12.5,hf-oda-25,hf-oda-50"
+# Window-global hybrids (Gemma 3): the engine's arms beside the HF path's.
+HYBRID_METHODS = {"cpu": "native-full,native-static,hf-oda-local,hf-oda-12.5,engine-full,engine-local,engine-12.5",
+                  "cuda": "native-full,native-static,native-compiled,hf-oda-local,hf-oda-12.5,engine-full,engine-local,"
+                          "engine-12.5,engine-25,engine-50"}
 
 
 def _routing(method: str):
@@ -105,16 +107,20 @@ def step_bytes(model, length: int, sinks: int, window: int, full_rate: float, ru
                batch: int = 1) -> float:
     """Bytes one decode step must read at least (see the module docstring): weights per pass, output matrix, KV of
     every row. `full_rate`: the share of steps that run the Full pass (at batch > 1 the pass reads every row's KV)."""
+    from oda_hf.engine.support import sliding_windows
+
     output = model.get_output_embeddings().weight
     embedding = model.get_input_embeddings().weight  # read one row per step
     decoder = sum(p.numel() * p.element_size() for p in model.get_decoder().parameters()
                   if p.data_ptr() not in (output.data_ptr(), embedding.data_ptr()))
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * output.element_size()
+    kv_per_layer_position = 2 * config.num_key_value_heads * head_dim * output.element_size()
     passes = (1 + full_rate) if runs_local else 1
-    positions = (min(sinks + window, length) + full_rate * length) if runs_local else length
-    return decoder * passes + output.numel() * output.element_size() + batch * kv_per_position * positions
+    global_positions = (min(sinks + window, length) + full_rate * length) if runs_local else length
+    positions = sum(global_positions if native is None else passes * min(native, length)
+                    for native in sliding_windows(config))  # over layers: a sliding layer reads its window per pass
+    return decoder * passes + output.numel() * output.element_size() + batch * kv_per_layer_position * positions
 
 
 def worker(args) -> dict:
@@ -275,10 +281,7 @@ def main(argv=None) -> int:
 
     layer_types = getattr(decode_throughput.model_config(model_name(args)), "layer_types", None) or []
     hybrid = any(kind != "full_attention" for kind in layer_types)
-    methods = (args.methods or (HYBRID_METHODS if hybrid else DEFAULT_METHODS[args.device])).split(",")
-    if hybrid and any(method.startswith("engine-") for method in methods):
-        raise SystemExit(f"{model_name(args)} is a window-global hybrid: the static engine does not run it; use the "
-                         f"stock and hf-oda-* methods ({HYBRID_METHODS}).")
+    methods = (args.methods or (HYBRID_METHODS if hybrid else DEFAULT_METHODS)[args.device]).split(",")
     if args.batch > 1 and any(method.startswith("hf-oda") for method in methods):
         raise SystemExit("--batch > 1 runs the stock and engine-* methods; the hf-oda-* arms drive one row.")
     unknown = sorted(set(methods) - set(METHODS))

@@ -200,7 +200,7 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
                    verify_threshold: float | None = None, oda_fast: bool = False, **kwargs):
     """`OdaForCausalLM.generate(..., oda_mode="exact")`: Full's output, drafted by Local (see the module).
 
-    ``oda_fast=True`` runs the drafts and passes on the static engine (full-attention families; a batch-1
+    ``oda_fast=True`` runs the drafts and passes on the static engine (full-attention families and Gemma 3; a batch-1
     engine kept on the model, rows one after another as here)."""
     from .engine.generation import engine_for, fast_path_enabled, resolve_request
     from .engine.support import check_model_supported
@@ -330,7 +330,7 @@ class CacheDrafts:
 
 class EngineDrafts:
     """Drafts and verification passes on the static engine (`OdaStaticEngine`, batch 1, full-attention
-    families): Local steps over its workspace (captured graphs on CUDA), Full passes over its cache."""
+    families and Gemma 3): Local steps over its workspace (captured graphs on CUDA), Full passes over its cache."""
 
     def __init__(self, engine):
         self.engine = engine

@@ -148,6 +148,37 @@ def test_engine_matches_hf_path_families(family, policy):
     assert_same(reference, engine_generate(engine, ids, mask, max_new_tokens=14))
 
 
+@pytest.mark.parametrize("policy,sliding_window", [(policy, 5) for policy in POLICIES] + [("head", 12), ("full", 1)])
+def test_engine_matches_hf_path_gemma3(policy, sliding_window):
+    """Gemma 3's window-global pattern: Local restricts the global layers, the sliding layers keep their native window
+    in both passes. Window 5 slides inside the prompt; 12 holds row 0's left padding for the first steps; 1 sees
+    only the current token."""
+    model = make_model("gemma3", policy=POLICIES[policy], sliding_window=sliding_window)
+    ids, mask = left_padded_prompts()
+    reference = hf_generate(model, ids, mask, max_new_tokens=20)
+    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
+    got = engine_generate(engine, ids, mask, max_new_tokens=20)
+    assert_same(reference, got)
+    if policy == "head":
+        assert got[1].decisions.any() and not got[1].decisions.all()
+
+
+@pytest.mark.parametrize("conditional", ["cond", "host"])
+def test_gemma3_graph_bookkeeping_matches_eager_bitwise(conditional):
+    """The sliding layers' window masks are step inputs of the Full branch (torch.cond operands, or tensors the
+    captured parts hand on): a graph-run Gemma step equals the eager one (bitwise with split parts; torch.cond runs
+    the Full branch as a dynamo-traced graph, whose float operations may be ordered differently)."""
+    model = make_model("gemma3", policy="head")
+    ids, mask = left_padded_prompts()
+    expected = engine_generate(OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET), ids, mask,
+                               max_new_tokens=20)
+    graphed = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode="emulate",
+                              conditional=conditional)
+    got = engine_generate(graphed, ids, mask, max_new_tokens=20)
+    assert_same(expected, got, logits_tol=0.0 if conditional == "host" else 1e-6)
+    assert got[1].decisions.any() and not got[1].decisions.all()  # both branches taken
+
+
 @pytest.mark.parametrize("sinks,window", [(0, 4), (2, 1), (4, 2)])
 def test_edge_geometries_and_wraparounds(sinks, window):
     model = make_model("llama", policy=RandomPolicy(0.3, seed=43), sinks=sinks, window=window)
@@ -396,10 +427,11 @@ def test_state_commit_matches_kernel_reference(sinks, window, with_full):
 # ------------------------------------------------------------------------------------------------
 # What the fast path refuses, the opt-in and the kill switch
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gemma4"])
-def test_hybrids_are_refused_with_a_pointer_to_the_hf_path(family):
+@pytest.mark.parametrize("family,overrides", [("qwen3_5", {}), ("gemma4", {}),
+                                              ("gemma3", {"attn_logit_softcapping": 50.0})])
+def test_models_the_engine_cannot_run_are_refused_with_a_pointer_to_the_hf_path(family, overrides):
     with pytest.raises(FastPathUnsupported, match="HF path"):
-        OdaStaticEngine(make_model(family), max_length=16, batch_size=1)
+        OdaStaticEngine(make_model(family, **overrides), max_length=16, batch_size=1)
 
 
 def test_unsupported_settings_raise_clearly():
@@ -500,6 +532,13 @@ def test_benchmark_bytes_limit_counts_passes_and_kv():
     assert step_bytes(model, 1000, 4, 60, 0.25, runs_local=True) == 1.25 * decoder + output + kv * (64 + 250)
     assert step_bytes(model, 1000, 4, 60, 0.25, runs_local=True, batch=3) == \
         1.25 * decoder + output + 3 * kv * (64 + 250)  # weights once per pass, every row's KV
+    hybrid = tiny_model("gemma3", sliding_window=100)  # layers: sliding, global, sliding, global; tied output
+    output = hybrid.lm_head.weight.numel() * 4
+    decoder = sum(p.numel() for p in hybrid.model.parameters()) * 4 - output
+    kv_layer = 2 * hybrid.config.num_key_value_heads * hybrid.config.head_dim * 4
+    assert step_bytes(hybrid, 1000, 4, 60, 1.0, runs_local=False) == decoder + output + kv_layer * (2 * 100 + 2 * 1000)
+    assert step_bytes(hybrid, 1000, 4, 60, 0.25, runs_local=True) == pytest.approx(
+        1.25 * decoder + output + kv_layer * (2 * 1.25 * 100 + 2 * (64 + 250)))  # a sliding layer reads W per pass
 
 
 def test_benchmark_script_batch_and_independent_rows(tmp_path):
@@ -519,11 +558,13 @@ def test_benchmark_script_batch_and_independent_rows(tmp_path):
     assert done.returncode != 0 and "the hf-oda-* arms drive one row" in done.stderr
 
 
-def test_benchmark_script_hybrid_runs_the_hf_path(tmp_path):
-    """A window-global hybrid has no engine: its arms are the stock ones and the HF path's."""
-    rows = run_engine_benchmark(tmp_path, "--model", "tiny-hybrid", "--methods", "native-full,hf-oda-local",
-                                "--window", "16")
-    assert [r["method"] for r in rows] == ["native-full", "hf-oda-local"] and rows[1]["full_call_rate"] == 0.0
+def test_benchmark_script_hybrid_runs_the_engine_and_the_hf_path(tmp_path):
+    """A window-global hybrid (Gemma 3 shapes) runs on the engine beside the HF path."""
+    rows = run_engine_benchmark(tmp_path, "--model", "tiny-hybrid", "--methods",
+                                "native-full,hf-oda-local,engine-local,engine-12.5", "--window", "16",
+                                "--bucket-size", "16")
+    assert [r["method"] for r in rows] == ["native-full", "hf-oda-local", "engine-local", "engine-12.5"]
+    assert rows[1]["full_call_rate"] == rows[2]["full_call_rate"] == 0.0 and rows[3]["full_call_rate"] == 2 / 12
 
 
 # ------------------------------------------------------------------------------------------------

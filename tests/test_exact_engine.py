@@ -12,7 +12,7 @@ from oda_hf.kernels import kernels_interpreted
 from test_exact import DRAFT_SETTINGS, SINKS, WINDOW, exact, exact_model, stock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ENGINE_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+ENGINE_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 def both_paths(model, ids, **kwargs):
@@ -98,7 +98,7 @@ def test_engine_exact_then_routed_request_on_the_same_engine():
 
 
 def test_engine_exact_refusals():
-    hybrid = exact_model("gemma3")
+    hybrid = exact_model("qwen3_5")  # recurrent layers: the HF path only
     with pytest.raises(FastPathUnsupported, match="not supported by the fast path"):
         exact(hybrid, torch.randint(3, 90, (1, 12)), max_new_tokens=4, oda_fast=True)
     model = exact_model("qwen3")

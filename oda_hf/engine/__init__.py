@@ -1,11 +1,12 @@
-"""oda_hf.engine: the static decode engine (the fast path) for full-attention families.
+"""oda_hf.engine: the static decode engine (the fast path) for full-attention families and Gemma 3.
 
     from oda_hf.engine import OdaStaticEngine
     engine = OdaStaticEngine(model, max_length=4096, batch_size=1)   # model: an OdaForCausalLM
     tokens = engine.generate(input_ids, max_new_tokens=256)           # routing in engine.routing
 
 or ``model.generate(..., oda_fast=True)``. ``ODA_DISABLE_FAST_PATH=1`` turns it off (oda_fast=True then
-runs the HF path, logged; building an engine raises). Hybrids (Gemma, Qwen3.5) run on the HF path.
+runs the HF path, logged; building an engine raises). Gemma 3's sliding layers read their native window from
+the engine's cache; recurrent hybrids (Qwen3.5) and Gemma 4 run on the HF path.
 
 Modules: `state` (buffers at fixed addresses, commit, warm-up transactions), `attention` (static
 Cache facade + the registered attention function), `routing` (device-side decisions), `graphs`

@@ -16,6 +16,10 @@ then ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mas
   - ``verify`` (exact decoding, eager, batch 1): several tokens go to columns ``[start, start + m)``;
     returns columns ``[0, start + m)``, read under a causal mask;
 
+  a native sliding-window layer (Gemma 3) attends the same way in every mode: its candidate goes to cache
+  column ``n`` (in ``local`` mode also to the workspace's current slot, which the commit reads), and it reads the
+  ``W`` columns ``[n - W + 1, n]`` gathered at device indices, under the engine's per-step window mask;
+
 * registers `engine_attention_forward` under ``"oda_static_engine"`` and switches the model's
   attention implementation to it only while a routed step runs (`engine_attention`), restoring it
   afterwards: the model stays usable on the HF path next to an engine. Because that name has no
@@ -51,8 +55,17 @@ PREFILL, LOCAL, FULL, VERIFY = "prefill", "local", "full", "verify"
 # Attention function
 # ------------------------------------------------------------------------------------------------
 def engine_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Local: the Local backend over the workspace. Full: the Full backend over the bucket's columns."""
+    """Local: the Local backend over the workspace. Full: the Full backend over the bucket's columns. A sliding-window
+    layer: its window's columns under the step's window mask, in every mode."""
     mode = kwargs.get("oda_mode")
+    windows = kwargs.get("oda_windows")
+    width = windows[module.layer_idx] if windows else None
+    if width is not None and mode in (LOCAL, FULL, VERIFY):
+        mask = kwargs["oda_window_masks"][width]
+        if mode == VERIFY:
+            return packed_sdpa_forward(module, query, key, value, mask, scaling=scaling)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling,
+                                      is_causal=False)[0], None
     if mode == LOCAL:
         return kwargs["oda_local"](module, query, key, value, kwargs["oda_valid_count"], kwargs.get("oda_local_mask"),
                                    scaling), None
@@ -173,9 +186,9 @@ class _EngineLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "EngineCache", layer: int):
+    def __init__(self, owner: "EngineCache", layer: int, window: int | None = None):
         super().__init__()
-        self.owner, self.layer = owner, layer
+        self.owner, self.layer, self.window = owner, layer, window
         self.is_initialized = True  # the buffers exist before any forward
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
@@ -194,6 +207,10 @@ class _EngineLayer(CacheLayerMixin):
             # The workspace's current slot doubles as the Local candidate the commit reads.
             state.ws_keys[layer, :, :, -1:] = key_states
             state.ws_values[layer, :, :, -1:] = value_states
+            if self.window is not None:  # a native sliding window reads the cache, candidate at column n
+                state.cache_keys[layer].index_copy_(2, state.cache_position, key_states)
+                state.cache_values[layer].index_copy_(2, state.cache_position, value_states)
+                return self._window_view()
             return state.ws_keys[layer], state.ws_values[layer]
         if mode == VERIFY:
             start = self.owner.verify_start
@@ -207,8 +224,17 @@ class _EngineLayer(CacheLayerMixin):
         state.cache_values[layer].index_copy_(2, state.cache_position, value_states)
         state.full_keys[layer].copy_(key_states)
         state.full_values[layer].copy_(value_states)
+        if self.window is not None:
+            return self._window_view()
         columns = self.owner.full_columns
         return state.cache_keys[layer, :, :, :columns], state.cache_values[layer, :, :, :columns]
+
+    def _window_view(self):
+        """Cache columns ``[n - W + 1, n]`` of this layer (indices below 0 read column 0, masked by the engine)."""
+        state = self.owner.state
+        columns = (state.cache_position + self.owner.window_offsets[self.window]).clamp(min=0)
+        return (state.cache_keys[self.layer].index_select(2, columns),
+                state.cache_values[self.layer].index_select(2, columns))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.owner.mode != PREFILL:
@@ -229,12 +255,22 @@ class _EngineLayer(CacheLayerMixin):
 
 
 class EngineCache(Cache):
-    """`Cache` facade over `EngineState` for one mode (prefill, local or full)."""
+    """`Cache` facade over `EngineState` for one mode (prefill, local or full).
 
-    def __init__(self, state: EngineState, mode: str, num_layers: int):
+    `windows`: per layer, the native window ``W`` of a sliding-window layer, None for a full-attention layer.
+    """
+
+    def __init__(self, state: EngineState, mode: str, windows: list[int | None]):
         self.state, self.mode = state, mode
         #: Full mode: columns the attention reads (the current length bucket's capacity).
         self.full_columns = state.capacity
         #: Verify mode: the first column the pass writes (set by the engine before each pass).
         self.verify_start = 0
-        super().__init__(layers=[_EngineLayer(self, i) for i in range(num_layers)])
+        #: Per window width W: offsets ``-(W - 1)..0`` from column n (a constant, so captured graphs may read it).
+        self.window_offsets = window_offsets(windows, state.cache_position.device)
+        super().__init__(layers=[_EngineLayer(self, i, window) for i, window in enumerate(windows)])
+
+
+def window_offsets(windows: list[int | None], device) -> dict[int, torch.Tensor]:
+    """``{W: arange(-(W - 1), 1)}`` for each sliding-window width among `windows`."""
+    return {width: torch.arange(-(width - 1), 1, device=device) for width in sorted({w for w in windows if w})}

@@ -63,7 +63,8 @@ from .support import (
     FastPathUnsupported,
     check_model_supported,
     fast_path_disabled,
-    rope_type,
+    rope_types,
+    sliding_windows,
 )
 
 KERNEL_BACKENDS = ("triton", "sdpa", "reference")
@@ -82,7 +83,7 @@ def _is_oda_model(model) -> bool:
 
 
 class OdaStaticEngine:
-    """A static decode engine for one `OdaForCausalLM` (full-attention families: Llama, Mistral, Qwen2, Qwen3).
+    """A static decode engine for one `OdaForCausalLM` (Llama, Mistral, Qwen2, Qwen3; Gemma 3 with its sliding layers).
 
     Args:
         model: the `OdaForCausalLM` (its recall head and routing config are used; its modules are shared).
@@ -150,7 +151,13 @@ class OdaStaticEngine:
                                     q_heads=q_heads, head_dim_v=head_dim, dtype=self.dtype, device=self.device)
         self.full = FullAttention(self.kernels, self.state, layers=layers, q_heads=q_heads, head_dim_v=head_dim,
                                   use_dot=full_dot is not False)
-        self._caches = {mode: EngineCache(self.state, mode, layers) for mode in (PREFILL, LOCAL, FULL, VERIFY)}
+        # Sliding-window layers (Gemma 3) read their native window from the cache in both passes.
+        self.windows = tuple(sliding_windows(config))
+        if any(window is not None and window < 1 for window in self.windows):
+            raise FastPathUnsupported(f"Sliding windows must be >= 1 position; this model has {self.windows}.")
+        self._caches = {mode: EngineCache(self.state, mode, list(self.windows))
+                        for mode in (PREFILL, LOCAL, FULL, VERIFY)}
+        self._window_offsets = self._caches[LOCAL].window_offsets
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
         self.graphs = None if self.graph_mode == "eager" else StepGraphs(
@@ -193,9 +200,11 @@ class OdaStaticEngine:
         if graph_mode == "cuda":
             if self.device.type != "cuda":
                 raise ValueError(f"graph_mode='cuda' needs a CUDA model; this one is on {self.device}.")
-            if any(kind in rope_type(self.model.config) for kind in HOST_DEPENDENT_ROPE):
+            host_dependent = [kind for kind in rope_types(self.model.config)
+                              if any(name in kind for name in HOST_DEPENDENT_ROPE)]
+            if host_dependent:
                 raise FastPathUnsupported(
-                    f"RoPE type {rope_type(self.model.config)!r} picks its frequencies on the host from the positions, "
+                    f"RoPE type {host_dependent[0]!r} picks its frequencies on the host from the positions, "
                     "which a CUDA graph would freeze: use graph_mode='eager' or the HF path."
                 )
         return graph_mode
@@ -439,9 +448,9 @@ class OdaStaticEngine:
         if self._branches(key.plan):
             pred = step.any_full if force is None else self._forced[force]
             step.full_hidden = conditional(self.conditional, pred, self._full_branch, self._skip_branch,
-                                           (step.embeds, step.positions, step.full_mask))
+                                           (step.embeds, step.positions, step.full_mask, *step.window_masks))
         elif not key.plan.never_full:
-            step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask)
+            step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask, *step.window_masks)
         self._finish(key, step)
 
     @staticmethod
@@ -458,11 +467,13 @@ class OdaStaticEngine:
         step.positions = state.valid_count[:, None].clone()  # 0-based position of the current valid token
         full_mask = (state.column_valid[:, :columns] & (self._column_index[:columns] <= state.cache_position))
         step.full_mask = full_mask[:, None, None, :]
+        step.window_masks = self._window_masks()
         scores = None
         if plan.run_local:
             step.local_hidden = self._decode(LOCAL, embeds, step.positions, oda_local=self.local,
                                              oda_valid_count=state.valid_count,
-                                             oda_local_mask=self.local.visibility(state.valid_count))
+                                             oda_local_mask=self.local.visibility(state.valid_count),
+                                             **self._window_kwargs(step.window_masks))
         if plan.run_head:
             scores = self.model.recall_head(state.selected_hidden, embeds[:, -1], step.local_hidden)
         select_full = device_routing.decide(state, self._policy, plan, scores)
@@ -480,7 +491,7 @@ class OdaStaticEngine:
     def _full_part(self, key: GraphKey, step: "_StepScratch") -> None:
         """The Full pass of a split step (conditional="host"), run only when some row recalls."""
         self._caches[FULL].full_columns = bucket_columns(key.bucket, self.bucket_size, self.capacity)
-        step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask)
+        step.full_hidden = self._full_branch(step.embeds, step.positions, step.full_mask, *step.window_masks)
 
     def _finish(self, key: GraphKey, step: "_StepScratch") -> None:
         """Per row, the selected hidden state; commit its KV; advance the counters."""
@@ -530,12 +541,29 @@ class OdaStaticEngine:
     def _decode(self, mode: str, embeds, positions, **attention_kwargs) -> torch.Tensor:
         return self._decoder_hidden(mode, embeds, positions, **attention_kwargs)[:, -1]
 
-    def _full_branch(self, embeds, positions, full_mask):
+    def _full_branch(self, embeds, positions, full_mask, *window_masks):
         # A fresh tensor: torch.cond outputs must not alias inputs or buffers.
-        return self._decode(FULL, embeds, positions, oda_full=self.full, oda_full_mask=full_mask).clone()
+        return self._decode(FULL, embeds, positions, oda_full=self.full, oda_full_mask=full_mask,
+                            **self._window_kwargs(window_masks)).clone()
 
-    def _skip_branch(self, embeds, positions, full_mask):
+    def _skip_branch(self, embeds, *unused):
         return embeds.new_zeros(embeds.shape[0], embeds.shape[-1])
+
+    def _window_masks(self) -> tuple[torch.Tensor, ...]:
+        """Per sliding-window width W (ascending), bool ``[B, 1, 1, W]``: which of columns ``[n - W + 1, n]`` the
+        current token sees (those at or after column 0 and not prompt padding; column n is the token itself)."""
+        state, masks = self.state, []
+        for offsets in self._window_offsets.values():
+            columns = state.cache_position + offsets
+            visible = (columns >= 0)[None, :] & state.column_valid.index_select(1, columns.clamp(min=0))
+            masks.append(visible[:, None, None, :])
+        return tuple(masks)
+
+    def _window_kwargs(self, window_masks) -> dict:
+        """The attention function's arguments for sliding-window layers (none for a full-attention model)."""
+        if not self._window_offsets:
+            return {}
+        return {"oda_windows": self.windows, "oda_window_masks": dict(zip(self._window_offsets, window_masks))}
 
     def _commit(self, select_full: torch.Tensor, with_full: bool) -> None:
         state = self.state
@@ -578,7 +606,8 @@ class OdaStaticEngine:
             embeds = self.embed(state.input_ids)
             hidden = self._decode(LOCAL, embeds, state.valid_count[:, None].clone(), oda_local=self.local,
                                   oda_valid_count=state.valid_count,
-                                  oda_local_mask=self.local.visibility(state.valid_count))
+                                  oda_local_mask=self.local.visibility(state.valid_count),
+                                  **self._window_kwargs(self._window_masks()))
             self._draft_hidden.copy_(hidden)
             if run_head:
                 self._draft_score.copy_(self.model.recall_head(state.selected_hidden, embeds[:, -1], hidden))
@@ -605,10 +634,13 @@ class OdaStaticEngine:
                              f"positions are committed, the capacity is {self.capacity}.")
         stop = start + count
         positions = torch.arange(start, stop, device=self.device)[None]
-        causal = (self._column_index[:stop][None, :] <= positions[0][:, None])[None, None]  # [1, 1, m, stop]
+        distance = positions[0][:, None] - self._column_index[:stop][None, :]  # query position - key column
+        causal = (distance >= 0)[None, None]  # [1, 1, m, stop]
+        windows = tuple(causal & (distance < width) for width in self._window_offsets)  # sliding layers' bands
         self._caches[VERIFY].verify_start = start
         with engine_attention(self.model.config):
-            hidden = self._decoder_hidden(VERIFY, self.embed(tokens), positions, oda_full_mask=causal)
+            hidden = self._decoder_hidden(VERIFY, self.embed(tokens), positions, oda_full_mask=causal,
+                                          **self._window_kwargs(windows))
         self._used = max(self._used, stop)
         return hidden[0]
 

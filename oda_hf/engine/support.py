@@ -1,8 +1,9 @@
 """What the static decode engine supports, and the switch that turns it off.
 
-The engine drives the HF decoder of a *full-attention* causal LM (every layer attends to the whole
-history, so Local restricts every layer). Hybrids keep native sliding or recurrent layers whose
-state the engine does not manage: they run on the HF path (`OdaForCausalLM.generate`).
+The engine drives the HF decoder of a causal LM whose layers are full attention (Local restricts them) or
+native sliding-window attention (Gemma 3's window-global pattern: the same window in both passes, read from the
+engine's cache). Recurrent layers (Qwen3.5's Gated DeltaNet), chunked attention and Gemma 4's shared KV keep state
+the engine does not manage: those models run on the HF path (`OdaForCausalLM.generate`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 #: Set to 1 to turn the fast path off: `generate(oda_fast=True)` then runs the HF path (same results,
 #: logged) and `OdaStaticEngine(...)` raises.
 DISABLE_ENV = "ODA_DISABLE_FAST_PATH"
-#: Families whose decoders the engine has been checked against (full-attention layers only).
-FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Families whose decoders the engine has been checked against.
+FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+#: Layer kinds the engine runs: Local restricts full attention; sliding layers keep their native window.
+FAST_PATH_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: RoPE variants that read position values on the host (`dynamic_rope_update`): fine eagerly, but a
 #: captured CUDA graph would freeze that host decision.
 HOST_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -35,13 +38,17 @@ def check_model_supported(oda_model) -> None:
     config = oda_model.config
     model_type = getattr(config, "model_type", None)
     layer_types, _ = get_layer_types_and_kwargs(config)
-    others = sorted(set(layer_types) - {"full_attention"})
+    others = sorted(set(layer_types) - set(FAST_PATH_LAYER_TYPES))
     if others:
         raise FastPathUnsupported(
             f"This {model_type!r} model has {others} layers: not supported by the fast path, whose engine manages "
-            "full-attention layers only (hybrids such as Gemma or Qwen3.5, and sliding-window configurations, are "
-            "not). Use the HF path: model.generate(...) without oda_fast."
+            "full-attention and sliding-window layers only (recurrent hybrids such as Qwen3.5 are not). Use the HF "
+            "path: model.generate(...) without oda_fast."
         )
+    if getattr(config, "attn_logit_softcapping", None):
+        raise FastPathUnsupported(f"This {model_type!r} model soft-caps attention logits (attn_logit_softcapping), "
+                                  "which the engine's attention does not; use the HF path: model.generate(...) "
+                                  "without oda_fast.")
     if model_type not in FAST_PATH_MODEL_TYPES:
         raise FastPathUnsupported(
             f"model type {model_type!r} is not supported by the fast path (supported: "
@@ -51,8 +58,17 @@ def check_model_supported(oda_model) -> None:
         raise FastPathUnsupported("The fast path drives text-only *ForCausalLM models; use the HF path.")
 
 
-def rope_type(config) -> str:
+def sliding_windows(config) -> list[int | None]:
+    """Per layer: the native window of a sliding-window layer, None for a full-attention layer."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    return [kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            for kind, kwargs in zip(layer_types, layer_kwargs)]
+
+
+def rope_types(config) -> list[str]:
+    """The RoPE types a model uses (one per layer kind when its parameters are keyed by layer type, as Gemma 3's)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(params, dict):
-        return str(params.get("rope_type", params.get("type", "default")))
-    return "default"
+    if not isinstance(params, dict):
+        return ["default"]
+    nested = [value for value in params.values() if isinstance(value, dict)]
+    return [str(p.get("rope_type", p.get("type", "default"))) for p in (nested or [params])]
