@@ -596,14 +596,6 @@ def test_qwen3_5_with_chunked_prefill_beside_retried_decode_rows(qwen3_5, tmp_pa
     assert min(agreed) >= 6 and sum(n == 12 for n in agreed) >= 2, agreed
 
 
-def test_qwen3_5_prefix_caching_is_refused(qwen3_5, tmp_path):
-    with pytest.raises(AssertionError, match="vLLM driver failed"):
-        run_vllm(tmp_path, "cached", qwen3_5["folder"], [[request(qwen3_5["long"][0], policy="local")]],
-                 oda={"head": qwen3_5["head"], "sinks": SINKS, "window": WINDOW}, dtype="bfloat16", torchvision=True,
-                 enable_prefix_caching=True)
-    assert "with prefix caching on" in (tmp_path / "cached.log").read_text()
-
-
 def test_qwen3_5_without_torchvision_names_the_fix():
     if _vllm_has_torchvision():
         pytest.skip("the vLLM environment has a working torchvision")

@@ -316,6 +316,15 @@ def test_prefix_caching_of_a_hybrid_needs_the_hybrid_kv_cache_manager():
     check_prefix_caching([_attention_layer("layers.1")], prefix_caching=True, hybrid_manager=False)  # full layers only
 
 
+def test_prefix_caching_of_a_model_with_recurrent_layers_is_refused():
+    """vLLM would cache Gated DeltaNet states that Local steps wrote (Qwen3.5); the model calls this at start with
+    ``recurrent`` set when it has linear-attention layers."""
+    full = [_attention_layer("layers.1")]
+    with pytest.raises(ValueError, match="with prefix caching on"):
+        check_prefix_caching(full, prefix_caching=True, hybrid_manager=True, recurrent=True)
+    check_prefix_caching(full, prefix_caching=False, hybrid_manager=True, recurrent=True)
+
+
 def test_oda_serve_passes_every_engine_setting_as_a_flag():
     """`oda serve` once dropped engine_args' settings beyond the model, overrides and worker: on a GPU the server
     would have started with CUDA graphs (refused by the model), and a Qwen3.5 server with prefix caching on."""

@@ -237,11 +237,18 @@ def routed_layers(attention_layers: list) -> list:
     return routed
 
 
-def check_prefix_caching(attention_layers: list, *, prefix_caching: bool, hybrid_manager: bool) -> None:
-    """Refuse prefix caching that would share decode KV: a hybrid's sliding-window layers cap their caching at the
-    prompt through their own KV spec (`kv_cache.PromptOnlySlidingWindowSpec`), which vLLM drops when its hybrid KV
-    cache manager is off (it then turns sliding specs into plain full-attention ones, whose manager caches decode
-    blocks too: a later request would reuse blocks written by Local steps)."""
+def check_prefix_caching(attention_layers: list, *, prefix_caching: bool, hybrid_manager: bool,
+                         recurrent: bool = False) -> None:
+    """Refuse prefix caching that would share state written by Local steps: a hybrid's sliding-window layers cap their
+    caching at the prompt through their own KV spec (`kv_cache.PromptOnlySlidingWindowSpec`), which vLLM drops when its
+    hybrid KV cache manager is off (it then turns sliding specs into plain full-attention ones, whose manager caches
+    decode blocks too: a later request would reuse blocks written by Local steps); a model with `recurrent`
+    (linear-attention) layers would have vLLM cache recurrent states that Local steps wrote."""
+    if prefix_caching and recurrent:
+        raise ValueError("ODA cannot serve a model with linear-attention (recurrent) layers with prefix caching on: "
+                         "vLLM would cache recurrent states that Local decode steps wrote, and a later request would "
+                         "start from them. Turn prefix caching off (enable_prefix_caching=False / "
+                         "--no-enable-prefix-caching; oda_hf.vllm.engine_args does by default).")
     if prefix_caching and not hybrid_manager and any(layer.sliding_window is not None for layer in attention_layers):
         raise ValueError("ODA with prefix caching on a model with sliding-window layers needs vLLM's hybrid KV cache "
                          "manager (it is off here, by --disable-hybrid-kv-cache-manager or a KV connector that does "

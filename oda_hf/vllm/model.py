@@ -53,9 +53,10 @@ class OdaCausalLMMixin:
         self.__dict__["oda_head"] = head
         self.oda_runner_attached = False
         layers = [module for module in self.modules() if isinstance(module, Attention)]
+        self.__dict__["oda_recurrent"] = RecurrentStates.of(self)
         check_prefix_caching(layers, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                             hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
-        self.__dict__["oda_recurrent"] = RecurrentStates.of(self, vllm_config.cache_config)
+                             hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+                             recurrent=self.oda_recurrent is not None)
         for module in routed_layers(layers):
             module.impl.__class__ = oda_attention_impl_class(type(module.impl), module.attn_backend.get_name())
         for module in layers:
@@ -156,18 +157,11 @@ class RecurrentStates:
         self.layers = layers
 
     @classmethod
-    def of(cls, model, cache_config) -> "RecurrentStates | None":
+    def of(cls, model) -> "RecurrentStates | None":
         from vllm.model_executor.layers.mamba.abstract import MambaBase
 
         layers = [module for module in model.modules() if isinstance(module, MambaBase)]
-        if not layers:
-            return None
-        if cache_config.enable_prefix_caching:
-            raise ValueError("ODA cannot serve a model with linear-attention (recurrent) layers with prefix caching on: "
-                             "vLLM would cache recurrent states that Local decode steps wrote, and a later request "
-                             "would start from them. Turn prefix caching off (enable_prefix_caching=False / "
-                             "--no-enable-prefix-caching; oda_hf.vllm.engine_args does by default).")
-        return cls(layers)
+        return cls(layers) if layers else None
 
     def save(self, rows: list) -> "SavedStates":
         from vllm.forward_context import get_forward_context
