@@ -163,6 +163,16 @@ def test_engine_matches_hf_path_gemma3(policy, sliding_window):
         assert got[1].decisions.any() and not got[1].decisions.all()
 
 
+def test_engine_matches_hf_path_qwen2_with_sliding_layers():
+    """Qwen2's sliding-window configuration (a window-global pattern of its own) runs the same way."""
+    model = make_model("qwen2", policy="head", use_sliding_window=True, sliding_window=6,
+                       layer_types=["sliding_attention", "full_attention"])
+    ids, mask = left_padded_prompts()
+    engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET)
+    assert engine.windows == (6, None)
+    assert_same(hf_generate(model, ids, mask, max_new_tokens=20), engine_generate(engine, ids, mask, max_new_tokens=20))
+
+
 @pytest.mark.parametrize("conditional", ["cond", "host"])
 def test_gemma3_graph_bookkeeping_matches_eager_bitwise(conditional):
     """The sliding layers' window masks are step inputs of the Full branch (torch.cond operands, or tensors the
