@@ -584,8 +584,9 @@ def test_benchmark_script_hybrid_runs_the_engine_and_the_hf_path(tmp_path):
                                                              ("cuda", "host", None), ("cuda", "host", False),
                                                              ("eager", "eager", None)])
 @pytest.mark.parametrize("policy", ["head", "schedule", "full", "local"])
-def test_cuda_graph_engine_matches_hf_path(policy, graph_mode, conditional, full_dot):
-    model = make_model(policy=POLICIES[policy]).cuda()
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_cuda_graph_engine_matches_hf_path(policy, graph_mode, conditional, full_dot, family):
+    model = make_model(family, policy=POLICIES[policy]).cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts())
     reference = hf_generate(model, ids, mask, max_new_tokens=20)
     engine = OdaStaticEngine(model, max_length=29, batch_size=2, bucket_size=BUCKET, graph_mode=graph_mode,
