@@ -118,7 +118,10 @@ class OdaCausalLMMixin:
     def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden, saved=None):
         head = self.oda_head
         if head is None:
-            raise RuntimeError("policy 'head' reached a model served without a recall head.")
+            raise RuntimeError("A request asked for the recall head (oda_policy head or budget) from an engine served "
+                               "without one. Build the engine with oda_hf.vllm.engine_args(base, head=...) or `oda "
+                               "serve`: they serve the head, and an engine they start without one refuses such "
+                               "requests at admission.")
         tokens = torch.tensor([step.token_start[r] for r in head_rows], device=hidden.device)
         states = [step.states[r] for r in head_rows]
         if any(state.prev_hidden is None for state in states):
