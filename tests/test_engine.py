@@ -387,13 +387,17 @@ def test_torch_cond_reaches_a_control_flow_dispatch_mode():
 TRITON_CPU = pytest.mark.skipif(not kernels_interpreted(), reason="needs Triton with TRITON_INTERPRET=1 before import")
 
 
-@pytest.mark.parametrize("baseline,kernels,full_dot", [pytest.param("reference", "triton", None, marks=TRITON_CPU),
-                                                       pytest.param("reference", "triton", False, marks=TRITON_CPU),
-                                                       ("reference", "sdpa", None)])
-def test_kernel_backends_agree(baseline, kernels, full_dot):
+@pytest.mark.parametrize("family,baseline,kernels,full_dot", [
+    pytest.param("qwen3", "reference", "triton", None, marks=TRITON_CPU),
+    pytest.param("qwen3", "reference", "triton", False, marks=TRITON_CPU),
+    ("qwen3", "reference", "sdpa", None),
+    pytest.param("gemma3", "reference", "triton", None, marks=TRITON_CPU),
+    ("gemma3", "reference", "sdpa", None)])
+def test_kernel_backends_agree(family, baseline, kernels, full_dot):
     """The direct-ring Triton kernels (interpreted on CPU; the Full kernel elementwise or with tl.dot) and the SDPA
-    backend against the PyTorch reference."""
-    model = make_model(policy="head")
+    backend against the PyTorch reference (Gemma 3: on its global layers, beside sliding layers and the fused commit
+    of every layer)."""
+    model = make_model(family, policy="head")
     ids, mask = left_padded_prompts()
     runs = {}
     for backend in (baseline, kernels):
