@@ -61,7 +61,8 @@ def resolve_architecture(model) -> ArchitectureSpec:
     if config.get_text_config(decoder=True) is not config:
         raise ValueError(
             f"oda_hf drives text-only causal LMs; {type(model).__name__} (model_type {model_type!r}) wraps a text "
-            "model inside a multimodal one. Load its text-only *ForCausalLM class instead."
+            "model inside a multimodal one. Load its text-only *ForCausalLM class instead (`oda text-model SRC OUT` "
+            "saves it as its own folder)."
         )
     if not (hasattr(model, "get_decoder") and hasattr(model, "lm_head")):
         raise ValueError(

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --exact: verify when the head's score passes this (default: the routing "
                                "threshold; inf = fixed drafts of --max-draft, no head)")
     generate.add_argument("--fast", action="store_true",
-                          help="run on the static decode engine (full-attention families: Llama, Mistral, Qwen2, Qwen3)")
+                          help="run on the static decode engine (Llama, Mistral, Qwen2, Qwen3, Gemma 3)")
     generate.set_defaults(func=run_generate)
 
     for add_cli in _subcommands():
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommands() -> list:
     """Subcommands defined next to the code they drive (each module has add_cli(subparsers))."""
-    from . import cost, known_models
+    from . import cost, known_models, text_model
     from .evaluation import calibrate_cli
     from .evaluation import cli as evaluation_cli
     from .evaluation import ruler_synth
@@ -178,7 +178,7 @@ def _subcommands() -> list:
     from .vllm import server
 
     return [demo.add_cli, known_models.add_cli, cost.add_cli, training_cli.add_cli, cache_cli.add_cli,
-            evaluation_cli.add_cli, calibrate_cli.add_cli, ruler_synth.add_cli, server.add_cli]
+            evaluation_cli.add_cli, calibrate_cli.add_cli, ruler_synth.add_cli, server.add_cli, text_model.add_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

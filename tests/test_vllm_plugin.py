@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from oda_hf import BudgetPolicy, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
+from tiny_models import save_word_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.environ.get("ODA_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
@@ -49,7 +50,7 @@ def build_model(folder, heads: int, kv_heads: int, seed: int = 0, family: str = 
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)   # sharper logits: greedy paths that fp noise does not flip
     model.save_pretrained(folder)
-    save_word_tokenizer(folder)
+    save_word_tokenizer(folder, VOCAB)
     save_random_head(model, folder)
     return model
 
@@ -73,20 +74,6 @@ def edge_batches(long: list) -> dict:
     return {"full": [request(ids, policy="full", logprobs=1) for ids in long],
             "local": [request(ids, policy="local") for ids in long],
             "head": [request(ids, policy="head", threshold=0.0) for ids in long]}
-
-
-def save_word_tokenizer(folder) -> None:
-    """A word-level tokenizer over the tiny vocabulary ("w3" .. "w127"; 0-2 special) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="<eos>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(folder)
 
 
 def _vllm_has_torchvision() -> bool:
@@ -406,7 +393,7 @@ def build_gemma3(folder, seed: int = 5):
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     model.save_pretrained(folder)
-    save_word_tokenizer(folder)
+    save_word_tokenizer(folder, VOCAB)
     save_random_head(model, folder)
     return model
 
@@ -493,7 +480,7 @@ def build_qwen3_5(folder, seed: int = 3):
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)   # bfloat16: sharper still, so rounding does not flip greedy tokens
     model.to(torch.bfloat16).save_pretrained(folder)
-    save_word_tokenizer(folder)
+    save_word_tokenizer(folder, VOCAB)
     # Loaded back as a user would: `.to(bfloat16)` above also rounded the rotary inverse frequencies (a buffer the
     # checkpoint does not hold), so the object in memory is not the model vLLM serves.
     model = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()

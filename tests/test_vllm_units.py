@@ -194,7 +194,7 @@ def test_qwen3_5_gets_what_vllm_gives_its_own_class(tmp_path):
     assert _qwen3_5_settings(str(tmp_path), overrides) == {"enable_prefix_caching": False} and overrides == {}
     # Qwen3.5's releases are mostly vision-language checkpoints: refused with what to serve instead
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"]}))
-    with pytest.raises(ValueError, match="multimodal checkpoint .* save its text model as a text-only checkpoint"):
+    with pytest.raises(ValueError, match="multimodal checkpoint .* save its text model with `oda text-model"):
         oda_architecture(str(tmp_path))
 
 

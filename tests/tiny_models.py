@@ -82,3 +82,17 @@ def save_with_word_tokenizer(model, folder) -> None:
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
                             eos_token="<eos>").save_pretrained(folder)
+
+
+def save_word_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer over a tiny vocabulary ("w3" .. "w<vocab_size - 1>"; 0-2 special) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(folder)

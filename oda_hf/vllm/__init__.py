@@ -61,8 +61,8 @@ def oda_architecture(model_folder: str) -> str:
             return ODA_ARCHITECTURES[name]
     if any(name.endswith("ForConditionalGeneration") for name in architectures):
         raise ValueError(f"{model_folder} is a multimodal checkpoint ({architectures}); ODA serves text-only causal LMs "
-                         f"({sorted(ODA_ARCHITECTURES)}): save its text model as a text-only checkpoint (for Qwen3.5, "
-                         "transformers' Qwen3_5ForCausalLM) and serve that folder.")
+                         f"({sorted(ODA_ARCHITECTURES)}): save its text model with `oda text-model {model_folder} "
+                         "OUT` (in oda_hf's own environment) and serve OUT.")
     raise ValueError(f"ODA's vLLM plugin serves {sorted(ODA_ARCHITECTURES)}; {model_folder} is {architectures}. "
                      "Serve it with oda_hf's Transformers path (OdaForCausalLM) instead.")
 

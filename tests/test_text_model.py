@@ -1,0 +1,76 @@
+"""`oda text-model`: the text model of a multimodal checkpoint, saved as a text-only causal LM folder that ODA (and its
+vLLM plugin) load; its logits equal the multimodal model's on text."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from cli_harness import run_oda
+from oda_hf import OdaForCausalLM
+from oda_hf.vllm import oda_architecture
+from tiny_models import save_word_tokenizer
+
+VOCAB = 300
+
+
+def qwen3_5_vision_language():
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=1,
+                linear_num_value_heads=2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    return transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                    vision_config=vision))
+
+
+def gemma3_vision_language():
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+
+
+@pytest.mark.parametrize("build,architecture,served_as", [
+    (qwen3_5_vision_language, "Qwen3_5ForCausalLM", "OdaQwen3_5ForCausalLM"),
+    (gemma3_vision_language, "Gemma3ForCausalLM", "OdaGemma3ForCausalLM")])
+def test_text_model_of_a_vision_language_checkpoint(tmp_path, capsys, build, architecture, served_as):
+    torch.manual_seed(0)
+    whole = build().eval()
+    source, output = tmp_path / "vl", tmp_path / "text"
+    whole.save_pretrained(source)
+    save_word_tokenizer(source, VOCAB)
+    code, err = run_oda(["text-model", source, output], capsys)
+    assert code == 0, err
+    assert json.loads((output / "config.json").read_text())["architectures"] == [architecture]
+    assert (output / "tokenizer.json").is_file()
+    text = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    assert type(text).__name__ == architecture
+    assert not any("visual" in name or "vision" in name for name, _ in text.named_parameters())
+    ids = torch.randint(3, VOCAB - 3, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(text(ids).logits, whole(input_ids=ids).logits)
+    assert oda_architecture(str(output)) == served_as   # what ODA's vLLM plugin serves
+    oda = OdaForCausalLM.from_pretrained(output, policy="local")
+    assert type(oda.base_model).__name__ == architecture
+    assert [p.name for p in tmp_path.iterdir()] and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_text_model_refusals(tmp_path, capsys):
+    torch.manual_seed(0)
+    source = tmp_path / "vl"
+    qwen3_5_vision_language().save_pretrained(source)
+    code, err = run_oda(["text-model", tmp_path / "missing", tmp_path / "out"], capsys)
+    assert code == 2 and "has no config.json" in err
+    code, err = run_oda(["text-model", source, tmp_path / "text"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "text" / "tokenizer.json").exists()  # none invented (transformers would make an empty one)
+    code, err = run_oda(["text-model", source, tmp_path / "text"], capsys)
+    assert code == 2 and "already holds a model" in err
+    code, err = run_oda(["text-model", tmp_path / "text", tmp_path / "again"], capsys)
+    assert code == 2 and "text-only already" in err
