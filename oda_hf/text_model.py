@@ -54,7 +54,9 @@ def extract_text_model(source: str, output: str) -> dict:
         raise UsageError(f"{source}'s architectures {config.architectures} are not transformers classes.")
     whole = getattr(transformers, names[0]).from_pretrained(source, dtype="auto").eval()
     weights = whole.state_dict()
-    model = cls(config.get_text_config(decoder=True)).to(whole.dtype)
+    # Built in the checkpoint's dtype (not cast afterwards: a cast would also round the rotary buffers the checkpoint
+    # does not hold, and the check below would compare another model).
+    model = cls._from_config(config.get_text_config(decoder=True), dtype=whole.dtype)
     # transformers 5 keeps a multimodal model's language model under model.language_model.
     renamed = {key: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
                for key in model.state_dict()}
