@@ -442,7 +442,8 @@ def test_state_commit_matches_kernel_reference(sinks, window, with_full):
 # What the fast path refuses, the opt-in and the kill switch
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family,overrides", [("qwen3_5", {}), ("gemma4", {}),
-                                              ("gemma3", {"attn_logit_softcapping": 50.0})])
+                                              ("gemma3", {"attn_logit_softcapping": 50.0}),
+                                              ("gemma3", {"sliding_window": 0})])
 def test_models_the_engine_cannot_run_are_refused_with_a_pointer_to_the_hf_path(family, overrides):
     with pytest.raises(FastPathUnsupported, match="HF path"):
         OdaStaticEngine(make_model(family, **overrides), max_length=16, batch_size=1)

@@ -153,8 +153,6 @@ class OdaStaticEngine:
                                   use_dot=full_dot is not False)
         # Sliding-window layers (Gemma 3) read their native window from the cache in both passes.
         self.windows = tuple(sliding_windows(config))
-        if any(window is not None and window < 1 for window in self.windows):
-            raise FastPathUnsupported(f"Sliding windows must be >= 1 position; this model has {self.windows}.")
         self._caches = {mode: EngineCache(self.state, mode, list(self.windows))
                         for mode in (PREFILL, LOCAL, FULL, VERIFY)}
         self._window_offsets = self._caches[LOCAL].window_offsets

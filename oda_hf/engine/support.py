@@ -61,8 +61,13 @@ def check_model_supported(oda_model) -> None:
 def sliding_windows(config) -> list[int | None]:
     """Per layer: the native window of a sliding-window layer, None for a full-attention layer."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    return [kwargs.get("sliding_window") if kind == "sliding_attention" else None
-            for kind, kwargs in zip(layer_types, layer_kwargs)]
+    windows = [kwargs.get("sliding_window") if kind == "sliding_attention" else None
+               for kind, kwargs in zip(layer_types, layer_kwargs)]
+    if any(kind == "sliding_attention" and not (isinstance(window, int) and window >= 1)
+           for kind, window in zip(layer_types, windows)):
+        raise FastPathUnsupported(f"A sliding-window layer needs a window of >= 1 position; this model's are {windows} "
+                                  "(config.sliding_window). Use the HF path: model.generate(...) without oda_fast.")
+    return windows
 
 
 def rope_types(config) -> list[str]:
