@@ -21,16 +21,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def text_model_class(config):
     """The ``*ForCausalLM`` class of `config`'s text model (UsageError when the checkpoint is text-only already or
     transformers has no causal-LM class for its text part)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     text_config = config.get_text_config(decoder=True)
     if text_config is config:
         raise UsageError(f"This checkpoint ({config.model_type!r}) is text-only already: use it as it is.")
-    cls = AutoModelForCausalLM._model_mapping.get(type(text_config), None)
-    if cls is None:
+    if type(text_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UsageError(f"transformers has no causal-LM class for {type(text_config).__name__} (the text part of "
                          f"{config.model_type!r}); oda text-model cannot extract it.")
-    return cls
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
 
 
 def extract_text_model(source: str, output: str) -> dict:
@@ -41,7 +40,7 @@ def extract_text_model(source: str, output: str) -> dict:
     equal again after the folder is loaded back, or nothing is kept."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise UsageError(f"{source} has no config.json: give a local multimodal checkpoint folder.")
@@ -56,7 +55,7 @@ def extract_text_model(source: str, output: str) -> dict:
     weights = whole.state_dict()
     # Built in the checkpoint's dtype (not cast afterwards: a cast would also round the rotary buffers the checkpoint
     # does not hold, and the check below would compare another model).
-    model = cls._from_config(config.get_text_config(decoder=True), dtype=whole.dtype)
+    model = AutoModelForCausalLM.from_config(config.get_text_config(decoder=True), dtype=whole.dtype)
     # transformers 5 keeps a multimodal model's language model under model.language_model.
     renamed = {key: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
                for key in model.state_dict()}
