@@ -101,3 +101,35 @@ def test_generate_equals_the_independent_reference(case):
     reference = replay_logits(base, out.sequences, mask, decisions, case["sinks"], case["window"])
     expected = step_logits_from_reference(reference, ids.shape[1], new)
     assert (got - expected).abs().max().item() < TOL
+
+
+ENGINE_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+@settings(max_examples=max(EXAMPLES // 3, 1), deadline=None, derandomize="ODA_FUZZ_EXAMPLES" not in os.environ,
+          database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), family=st.sampled_from(ENGINE_FAMILIES), sliding_window=st.integers(1, 12))
+def test_static_engine_equals_the_transformers_path(case, family, sliding_window):
+    """The static engine (eager on CPU) against the Transformers path, which the test above checks against the
+    independent reference: same tokens, decisions and scores, logits within TOL (Gemma 3 with a random native
+    window beside Local's geometry)."""
+    from oda_hf.engine import OdaStaticEngine
+
+    overrides = {"sliding_window": sliding_window} if family == "gemma3" else {}
+    base = tiny_model(family, num_key_value_heads=case["kv_heads"], **overrides)
+    torch.manual_seed(1)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=case["sinks"], window=case["window"], policy=case["policy"]))
+    ids, mask = left_padded(case["lengths"], case["seed"])
+    new = case["max_new_tokens"]
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                  output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, **kwargs)
+    routing = model.routing
+    engine = OdaStaticEngine(model, max_length=ids.shape[1] + new, batch_size=ids.shape[0], bucket_size=4)
+    got = engine.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert torch.equal(engine.routing.decisions, routing.decisions)
+    assert torch.allclose(engine.routing.scores, routing.scores, atol=1e-5, equal_nan=True)
+    assert (torch.stack(got.logits, 1) - torch.stack(expected.logits, 1)).abs().max().item() < TOL
