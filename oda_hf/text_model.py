@@ -102,8 +102,8 @@ def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "text-model", help="save the text model of a multimodal checkpoint as a text-only causal LM folder",
         description="Writes the language model of a vision-language checkpoint (e.g. Qwen3_5ForConditionalGeneration) "
-                    "as a text-only *ForCausalLM folder with its tokenizer: what ODA's vLLM plugin serves. The folder "
-                    "is checked by loading it back.")
+                    "as a text-only *ForCausalLM folder with its tokenizer: what ODA's vLLM plugin serves. On a text "
+                    "prompt the folder's logits must equal the multimodal model's, or nothing is kept.")
     parser.add_argument("source", help="the multimodal checkpoint folder")
     parser.add_argument("output", help="a new folder for the text model")
     parser.set_defaults(func=run_text_model)
