@@ -71,6 +71,7 @@ def extract_text_model(source: str, output: str) -> dict:
     with torch.no_grad():
         expected = whole(input_ids=ids).logits.float()
         _check_equal(expected, model(ids).logits.float(), "the extracted text model's")
+    del whole, weights  # the multimodal model is not needed past this point (memory for the reload check below)
     staging = staging_folder(output)
     try:
         model.save_pretrained(staging)
