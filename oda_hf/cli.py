@@ -134,7 +134,7 @@ def run_generate(args) -> int:
     text = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     print(text)
     config = model.oda_config
-    mode = "exact" if args.exact else f"policy={model._policy!r}"
+    mode = "exact" if args.exact else f"policy={config.routing_policy()!r}"  # the same on the fast path
     print(f"[oda] {mode} sinks={config.sinks} window={config.window} | {model.routing.summary()}", file=sys.stderr)
     return 0
 

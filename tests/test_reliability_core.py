@@ -351,7 +351,8 @@ def test_generate_exact_prints_full_output(base_folder, capsys):
     captured = capsys.readouterr()  # the same on the static engine
     assert captured.out == full and "[oda] exact sinks=2 window=6 | exact: 12 tokens" in captured.err
     assert main(common + ["--policy", "full", "--fast"]) == 0
-    assert capsys.readouterr().out == full
+    captured = capsys.readouterr()
+    assert captured.out == full and "[oda] policy=AlwaysFullPolicy() sinks=2 window=6" in captured.err  # engine's summary
 
 
 def test_publish_files_swaps_a_folder_whole(tmp_path):
