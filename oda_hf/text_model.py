@@ -10,6 +10,7 @@ written atomically and checked: on a text-only prompt its logits must equal the 
 from __future__ import annotations
 
 import os
+import shutil
 
 from .cli_common import UsageError
 from .files import publish_files, staging_folder
@@ -44,6 +45,8 @@ def extract_text_model(source: str, output: str) -> dict:
 
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise UsageError(f"{source} has no config.json: give a local multimodal checkpoint folder.")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise UsageError(f"{output} is a file, not a folder: give a new folder for the text model.")
     if os.path.exists(os.path.join(output, "config.json")):
         raise UsageError(f"{output} already holds a model (config.json): give a new folder.")
     config = AutoConfig.from_pretrained(source)
@@ -84,8 +87,6 @@ def extract_text_model(source: str, output: str) -> dict:
                          "the saved text model's")
         publish_files(staging, output, marker="config.json")
     except BaseException:
-        import shutil
-
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"architecture": cls.__name__, "model_type": model.config.model_type, "tokenizer": tokenizer,

@@ -230,9 +230,9 @@ class _EngineLayer(CacheLayerMixin):
         return state.cache_keys[layer, :, :, :columns], state.cache_values[layer, :, :, :columns]
 
     def _window_view(self):
-        """Cache columns ``[n - W + 1, n]`` of this layer (indices below 0 read column 0, masked by the engine)."""
+        """Cache columns ``[n - W + 1, n]`` of this layer, at the step's indices (`EngineCache.window_columns`)."""
         state = self.owner.state
-        columns = (state.cache_position + self.owner.window_offsets[self.window]).clamp(min=0)
+        columns = self.owner.window_columns[self.window]
         return (state.cache_keys[self.layer].index_select(2, columns),
                 state.cache_values[self.layer].index_select(2, columns))
 
@@ -257,20 +257,21 @@ class _EngineLayer(CacheLayerMixin):
 class EngineCache(Cache):
     """`Cache` facade over `EngineState` for one mode (prefill, local or full).
 
-    `windows`: per layer, the native window ``W`` of a sliding-window layer, None for a full-attention layer.
+    `windows`: per layer, the native window ``W`` of a sliding-window layer, None for a full-attention layer;
+    `window_columns`: per width W, the engine's buffer of the step's window columns (filled once per step).
     """
 
-    def __init__(self, state: EngineState, mode: str, windows: list[int | None]):
+    def __init__(self, state: EngineState, mode: str, windows: list[int | None],
+                 window_columns: dict[int, torch.Tensor]):
         self.state, self.mode = state, mode
         #: Full mode: columns the attention reads (the current length bucket's capacity).
         self.full_columns = state.capacity
         #: Verify mode: the first column the pass writes (set by the engine before each pass).
         self.verify_start = 0
-        #: Per window width W: offsets ``-(W - 1)..0`` from column n (a constant, so captured graphs may read it).
-        self.window_offsets = window_offsets(windows, state.cache_position.device)
+        self.window_columns = window_columns
         super().__init__(layers=[_EngineLayer(self, i, window) for i, window in enumerate(windows)])
 
 
 def window_offsets(windows: list[int | None], device) -> dict[int, torch.Tensor]:
-    """``{W: arange(-(W - 1), 1)}`` for each sliding-window width among `windows`."""
+    """``{W: arange(-(W - 1), 1)}`` for each sliding-window width among `windows` (ascending)."""
     return {width: torch.arange(-(width - 1), 1, device=device) for width in sorted({w for w in windows if w})}

@@ -43,6 +43,7 @@ from .attention import (
     LocalAttention,
     engine_attention,
     register_engine_attention,
+    window_offsets,
 )
 from .graphs import (
     CONDITIONAL_NODES_MODULE,
@@ -153,9 +154,12 @@ class OdaStaticEngine:
                                   use_dot=full_dot is not False)
         # Sliding-window layers (Gemma 3) read their native window from the cache in both passes.
         self.windows = tuple(sliding_windows(config))
-        self._caches = {mode: EngineCache(self.state, mode, list(self.windows))
+        # Per width W: the constant offsets -(W - 1)..0 from column n, and a buffer (fixed address, for graphs) with
+        # the step's window columns, filled once per step by `_window_masks` and read by every sliding layer.
+        self._window_offsets = window_offsets(list(self.windows), self.device)
+        self._window_columns = {width: torch.zeros_like(offsets) for width, offsets in self._window_offsets.items()}
+        self._caches = {mode: EngineCache(self.state, mode, list(self.windows), self._window_columns)
                         for mode in (PREFILL, LOCAL, FULL, VERIFY)}
-        self._window_offsets = self._caches[LOCAL].window_offsets
         self._column_index = torch.arange(capacity, device=self.device)
         self._forced = {flag: torch.tensor(flag, device=self.device) for flag in (True, False)}
         self.graphs = None if self.graph_mode == "eager" else StepGraphs(
@@ -549,11 +553,13 @@ class OdaStaticEngine:
 
     def _window_masks(self) -> tuple[torch.Tensor, ...]:
         """Per sliding-window width W (ascending), bool ``[B, 1, 1, W]``: which of columns ``[n - W + 1, n]`` the
-        current token sees (those at or after column 0 and not prompt padding; column n is the token itself)."""
+        current token sees (those at or after column 0 and not prompt padding; column n is the token itself). Also
+        fills the step's window columns (indices below 0 read column 0, hidden by the mask)."""
         state, masks = self.state, []
-        for offsets in self._window_offsets.values():
+        for width, offsets in self._window_offsets.items():
             columns = state.cache_position + offsets
-            visible = (columns >= 0)[None, :] & state.column_valid.index_select(1, columns.clamp(min=0))
+            self._window_columns[width].copy_(columns.clamp(min=0))
+            visible = (columns >= 0)[None, :] & state.column_valid.index_select(1, self._window_columns[width])
             masks.append(visible[:, None, None, :])
         return tuple(masks)
 
