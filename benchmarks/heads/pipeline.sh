@@ -22,7 +22,7 @@ has fetch && "${oda[@]}" fetch "$BASE"
 if has data; then
   [ -f "$RUN/train.jsonl" ] || "${py[@]}" "$here/../smollm2/head_data.py" --tokenizer "$BASE" "${plain[@]}" \
     --lengths $TRAIN_LENGTHS --n $TRAIN_N --prose "$TRAIN_PROSE" --prose-tokens "$SEQ_LEN" \
-    --max-position-embeddings "$CONTEXT" --out "$RUN/train.jsonl"
+    --max-position-embeddings "$CONTEXT" --answers "${ANSWERS:-gold}" "${cap[@]}" --out "$RUN/train.jsonl"
   [ -f "$RUN/test_references.jsonl" ] || "${py[@]}" "$here/../smollm2/head_data.py" --tokenizer "$BASE" \
     "${plain[@]}" --split test --reference-window 32 --lengths $TRAIN_LENGTHS --n 1 1 --prose 4 \
     --prose-tokens "$SEQ_LEN" --max-position-embeddings "$CONTEXT" --out "$RUN/test_references.jsonl"
