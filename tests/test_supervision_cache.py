@@ -131,7 +131,43 @@ def test_training_from_the_cache_equals_training_with_recomputation(tmp_path, re
         sc.OdaCacheTrainer(model=cached, args=args(tmp_path / "c", oda_tau_hist=0.001), cache=cache)
 
 
-def test_cli_caches_then_trains_from_the_cache(tmp_path):
+def test_training_on_two_caches_equals_training_on_one_cache_of_their_rows(tmp_path):
+    rows = packed_rows()
+    model = oda_model()
+    first = sc.cache_supervision(model, rows[:4], tmp_path / "first", tau_hist=0.05, rows_per_shard=3, progress=False)
+    second = sc.cache_supervision(model, rows[4:], tmp_path / "second", tau_hist=0.05, rows_per_shard=2,
+                                  progress=False)
+    whole = sc.cache_supervision(model, rows, tmp_path / "whole", tau_hist=0.05, rows_per_shard=3, progress=False)
+    combined = sc.open_cache([tmp_path / "first", tmp_path / "second"])
+    assert isinstance(combined, sc.CombinedSupervisionCache)
+    assert len(combined) == len(whole) and combined.num_positions == whole.num_positions
+    assert combined.window == W and combined.tau_hist == 0.05
+    for i in range(len(whole)):
+        want, got = whole.row(i), combined.row(i)
+        assert all(torch.equal(want[key], got[key]) for key in want)
+    with pytest.raises(IndexError):
+        combined.row(len(whole))
+
+    heads = []
+    for name, cache in (("w", whole), ("c", combined)):
+        trained = oda_model()
+        options = dict(num_train_epochs=2, oda_lambda=0.1, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+        sc.OdaCacheTrainer(model=trained, args=args(tmp_path / name, **options), cache=cache).train()
+        heads.append(trained.recall_head.state_dict())
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+    with pytest.raises(ValueError, match="hold the same rows"):
+        sc.open_cache([first.path, whole.path, first.path])
+    other = sc.cache_supervision(model, rows[:2], tmp_path / "other", tau_hist=0.001, rows_per_shard=3, progress=False)
+    with pytest.raises(ValueError, match="differ in tau_hist"):
+        sc.open_cache([second.path, other.path])
+    foreign = OdaForCausalLM(tiny_model("qwen3", seed=3), None, OdaConfig(sinks=S, window=W, policy="local"))
+    sc.cache_supervision(foreign, rows[:2], tmp_path / "foreign", tau_hist=0.05, rows_per_shard=3, progress=False)
+    with pytest.raises(ValueError, match="differ in base_fingerprint"):
+        sc.open_cache([first.path, tmp_path / "foreign"])
+
+
+def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     from oda_hf.training import cli as training_cli
 
     base_dir = tmp_path / "base"
@@ -162,4 +198,21 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path):
         run.func(run)
     with pytest.raises(UsageError, match="exactly one of --data .* or --from-cache"):
         run = parser.parse_args(train[:3] + ["--output", str(tmp_path / "x")])
+        run.func(run)
+
+    # Two caches: the rows of both (the second cached from other documents).
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()}) + "\n"
+                            for n in (22, 19)))
+    run = parser.parse_args(cache_cmd[:4] + [str(more), "--output", str(tmp_path / "c2")] + cache_cmd[7:])
+    assert run.func(run) == 0
+    both = train[:5] + [str(tmp_path / "c2"), "--output", str(tmp_path / "head2")] + train[7:]
+    run = parser.parse_args(both)
+    capsys.readouterr()
+    assert run.func(run) == 0
+    assert f"supervision cache {tmp_path / 'c'}, {tmp_path / 'c2'}: 5 rows" in capsys.readouterr().err  # 3 + 2
+    trained = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "head2"))
+    assert trained.oda_config.window == 3
+    with pytest.raises(UsageError, match="hold the same rows"):
+        run = parser.parse_args(train[:5] + [str(tmp_path / "c"), "--output", str(tmp_path / "head3")] + train[7:])
         run.func(run)

@@ -33,7 +33,8 @@ if has data; then
 fi
 has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jsonl" --output "$RUN/cache" \
   --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$SEQ_LEN" --rows-per-shard 8 --threads 1
-has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" \
+also=(${ALSO_TRAIN_ON:-})  # caches of other runs the head also trains on, if the profile names any
+has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" "${also[@]}" \
   --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 "${width[@]}" \
   --threads "${TRAIN_THREADS:-1}"; }
 has calibrate && "${oda[@]}" calibrate --base "$BASE" --head "$RUN/head" --data "$RUN/ruler-dev/kjv/$DEV_LENGTH" \

@@ -30,6 +30,8 @@ import json
 import os
 import random
 
+from tqdm.auto import tqdm
+
 from oda_hf.evaluation.haystacks import prose_words
 from oda_hf.evaluation.ruler_synth import generate_suite
 from oda_hf.evaluation.runner import (append_jsonl, encode_prompt, eos_token_ids, greedy_config, prompt_fingerprint,
@@ -92,7 +94,7 @@ def ruler_documents(tokenizer, lengths, n, seed, split="train", reference_window
                               max_position_embeddings=max_position_embeddings, chat_template=chat_template,
                               progress=True)
     documents = []
-    for e in examples:
+    for e in tqdm(examples, desc="model answers", unit="prompt", disable=model_answers is None):
         prompt = encode_prompt(e, tokenizer, chat_template=chat_template)
         continuations = []
         if answers in ("gold", "both"):

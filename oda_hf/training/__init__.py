@@ -41,6 +41,7 @@ _EXPORTS = {
     "HeadTrainingModule": ".trainer",
     "OdaTrainer": ".trainer",
     "OdaTrainingArguments": ".trainer",
+    "CombinedSupervisionCache": ".supervision_cache",
     "OdaCacheTrainer": ".supervision_cache",
     "SupervisionCache": ".supervision_cache",
     "SupervisionCacheDataset": ".supervision_cache",
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
     from .paired import (PairedBatch, PairedStreams, paired_streams, paired_supervision, preceding_states,
                          target_logprobs)
     from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
-    from .supervision_cache import OdaCacheTrainer, SupervisionCache, SupervisionCacheDataset, cache_supervision
+    from .supervision_cache import (CombinedSupervisionCache, OdaCacheTrainer, SupervisionCache,
+                                    SupervisionCacheDataset, cache_supervision)
     from .trainer import last_complete_checkpoint
 
 __all__ = sorted(_EXPORTS)

@@ -42,9 +42,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--base", type=base_argument, required=True, help="base causal LM: hub id, local folder, or smollm2 / organism")
     parser.add_argument("--data", type=path_argument, default=None,
                         help=".jsonl of {input_ids} or {text} records, or a save_to_disk folder")
-    parser.add_argument("--from-cache", type=path_argument, default=None,
-                        help="train on a supervision cache from `oda cache-supervision` instead of --data (no backbone "
-                             "pass per update; s, w and tau_hist come from the cache)")
+    parser.add_argument("--from-cache", type=path_argument, nargs="+", default=None, metavar="CACHE",
+                        help="train on supervision caches from `oda cache-supervision` instead of --data (no backbone "
+                             "pass per update; s, w and tau_hist come from the cache); several caches (one base, one "
+                             "s / w / tau_hist) are trained on as one")
     parser.add_argument("--output", type=path_argument, required=True,
                         help="output folder (checkpoints and the final head)")
     parser.add_argument("--tokenizer", type=base_argument, default=None,
@@ -126,7 +127,7 @@ def run_cli(args) -> int:
     tokenizer = data_tokenizer(args.tokenizer, args.base) if cache is None else None
     if cache is not None:
         rows = None
-        print(f"[oda] supervision cache {args.from_cache}: {len(cache)} rows, {cache.num_positions} eligible "
+        print(f"[oda] supervision cache {cache.path}: {len(cache)} rows, {cache.num_positions} eligible "
               f"positions, s={args.sinks} w={args.window} tau_hist={args.tau_hist}", file=sys.stderr)
     else:
         with user_input("--data"), _needs_datasets():
@@ -307,10 +308,10 @@ def _data_source(args):
             if getattr(args, key) is None:
                 setattr(args, key, value)
         return None
-    from .supervision_cache import SupervisionCache
+    from .supervision_cache import open_cache
 
     try:
-        cache = SupervisionCache(args.from_cache)
+        cache = open_cache(args.from_cache)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err
     for key in SETTING_DEFAULTS:

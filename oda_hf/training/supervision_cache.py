@@ -6,6 +6,7 @@
 
     oda cache-supervision --base B --data D.jsonl --tokenizer B --output cache/ --window 256 --seq-len 2048
     oda train-head --base B --from-cache cache/ --output head/ --epochs 20
+    oda train-head --base B --from-cache cache/ more/ --output head/ --epochs 20   # several caches as one
 
 What is stored, per packed row (a row is what `OdaDataCollator` turns into one batch row), at its
 eligible positions only: the head inputs ``H`` (after the ``tau_hist`` rule), ``E``, ``L`` and the
@@ -320,11 +321,99 @@ class SupervisionCache:
                              f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
 
 
+#: Manifest keys that caches trained on together must share (their rows may differ, and their seq_len and dtype).
+SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size")
+
+
+class CombinedSupervisionCache:
+    """Several finished caches trained on as one: the rows of the first, then those of the next, and so on.
+
+    Supervision already computed stays useful when training data grows: cache the new documents on their own and
+    train on both. The caches must share the base model and s / w / tau_hist; the same rows twice is refused.
+    """
+
+    def __init__(self, caches: Sequence[SupervisionCache | str | os.PathLike]):
+        self.caches = [c if isinstance(c, SupervisionCache) else SupervisionCache(c) for c in caches]
+        if not self.caches:
+            raise ValueError("CombinedSupervisionCache needs at least one cache.")
+        first = self.caches[0]
+        seen = {}
+        for cache in self.caches:
+            differing = [key for key in SHARED_KEYS if cache.manifest.get(key) != first.manifest.get(key)]
+            if differing:
+                raise ValueError(f"The supervision caches {first.path} and {cache.path} differ in "
+                                 f"{', '.join(differing)}: caches trained on together need one base model and the "
+                                 "same sinks, window and tau_hist.")
+            rows = cache.manifest["data_sha256"]
+            if rows in seen:
+                raise ValueError(f"The supervision caches {seen[rows]} and {cache.path} hold the same rows: give each "
+                                 "cache once (repeat data with --epochs instead).")
+            seen[rows] = cache.path
+        self.path = ", ".join(cache.path for cache in self.caches)
+        self.manifest = {key: first.manifest.get(key) for key in ("base", *SHARED_KEYS)}
+        lengths = {cache.seq_len for cache in self.caches}
+        self.manifest["seq_len"] = lengths.pop() if len(lengths) == 1 else None
+        self.manifest["rows"] = sum(len(cache) for cache in self.caches)
+        self._first_rows = [0]
+        for cache in self.caches[:-1]:
+            self._first_rows.append(self._first_rows[-1] + len(cache))
+
+    @property
+    def sinks(self) -> int:
+        return self.manifest["sinks"]
+
+    @property
+    def window(self) -> int:
+        return self.manifest["window"]
+
+    @property
+    def tau_hist(self) -> float:
+        return self.manifest["tau_hist"]
+
+    @property
+    def seq_len(self) -> int | None:
+        """The caches' row length, or None where they differ."""
+        return self.manifest["seq_len"]
+
+    def __len__(self) -> int:
+        return self.manifest["rows"]
+
+    @property
+    def num_positions(self) -> int:
+        return sum(cache.num_positions for cache in self.caches)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(cache.num_bytes for cache in self.caches)
+
+    def bytes_per_1k_positions(self) -> float:
+        return 1000 * self.num_bytes / max(self.num_positions, 1)
+
+    def row(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for {len(self)} rows of {len(self.caches)} caches.")
+        which = bisect.bisect_right(self._first_rows, i) - 1
+        return self.caches[which].row(i - self._first_rows[which])
+
+    def check_compatible(self, model: OdaForCausalLM, *, sinks: int, window: int, tau_hist: float) -> None:
+        for cache in self.caches:
+            cache.check_compatible(model, sinks=sinks, window=window, tau_hist=tau_hist)
+
+
+def open_cache(cache) -> SupervisionCache | CombinedSupervisionCache:
+    """A cache as given (`SupervisionCache` or `CombinedSupervisionCache`), a folder, or a list of folders."""
+    if isinstance(cache, (SupervisionCache, CombinedSupervisionCache)):
+        return cache
+    if isinstance(cache, (list, tuple)):
+        return SupervisionCache(cache[0]) if len(cache) == 1 else CombinedSupervisionCache(cache)
+    return SupervisionCache(cache)
+
+
 class SupervisionCacheDataset(Dataset):
     """One item per cached packed row (see the module docstring for why rows, not positions)."""
 
-    def __init__(self, cache: SupervisionCache | str | os.PathLike):
-        self.cache = cache if isinstance(cache, SupervisionCache) else SupervisionCache(cache)
+    def __init__(self, cache: SupervisionCache | CombinedSupervisionCache | str | os.PathLike | Sequence):
+        self.cache = open_cache(cache)
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -366,8 +455,9 @@ class OdaCacheTrainer(OdaTrainer):
     training_module_class = CachedHeadTrainingModule
     model_inputs = INPUT_TENSORS + ("gains",)
 
-    def __init__(self, model: OdaForCausalLM, args: OdaTrainingArguments, cache: SupervisionCache | str, **kwargs):
-        self.cache = cache if isinstance(cache, SupervisionCache) else SupervisionCache(cache)
+    def __init__(self, model: OdaForCausalLM, args: OdaTrainingArguments,
+                 cache: SupervisionCache | CombinedSupervisionCache | str | os.PathLike | Sequence, **kwargs):
+        self.cache = open_cache(cache)
         sinks = model.oda_config.sinks if args.oda_sinks is None else args.oda_sinks
         window = model.oda_config.window if args.oda_window is None else args.oda_window
         self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
