@@ -105,13 +105,17 @@ def prompt(length: int, seed: int) -> list:
     return torch.randint(3, VOCAB, (length,), generator=g).tolist()
 
 
-def request(ids, max_tokens=12, policy=None, threshold=None, logprobs=None):
+def request(ids, max_tokens=12, policy=None, threshold=None, logprobs=None, sampling=None):
     extra = {}
     if policy is not None:
         extra["oda_policy"] = policy
     if threshold is not None:
         extra["oda_threshold"] = threshold
-    return {"prompt": ids, "max_tokens": max_tokens, "extra_args": extra or None, "logprobs": logprobs}
+    return {"prompt": ids, "max_tokens": max_tokens, "extra_args": extra or None, "logprobs": logprobs,
+            "sampling": sampling}
+
+
+SAMPLING = [dict(temperature=0.8, top_p=0.9, seed=5, n=2), dict(temperature=1.0, seed=11, n=1)]
 
 
 def hf_generate(model, head_folder, ids, max_tokens, policy, threshold=0.0):
@@ -146,9 +150,14 @@ def gqa3(tmp_path_factory):
         "bad_nan": [request(long[0], threshold="nan")],
         "bad_text": [request(long[0], threshold="high")],
         "after_bad": [request(long[5], policy="local")],
+        # seeded sampling, one request with two samples: Full's equal stock vLLM's; each sample has its own record
+        "sampled": [request(long[5], policy="full", sampling=SAMPLING[0]), request(long[6], policy="full",
+                                                                               sampling=SAMPLING[1]),
+                    request(long[6], policy="head", threshold=0.0, sampling=SAMPLING[0])],
     }
     order = list(batches)
-    stock = run_vllm(tmp, "stock", folder, [batches["full"]], oda=None)
+    stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
+    stock = run_vllm(tmp, "stock", folder, [batches["full"], stock_sampled], oda=None)
     oda = run_vllm(tmp, "oda", folder, [batches[name] for name in order],
                    oda={"head": head, "sinks": SINKS, "window": WINDOW})
     results = dict(zip(order, oda))
@@ -159,8 +168,8 @@ def gqa3(tmp_path_factory):
                       policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW},
                       enable_prefix_caching=True)
     cold = run_vllm(tmp, "stock_cold", folder, [[request(extended, logprobs=1)]], oda=None)
-    return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], oda=results,
-                follow=follow, cold=cold[0])
+    return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], stock_sampled=stock[1],
+                oda=results, follow=follow, cold=cold[0])
 
 
 def test_always_full_equals_stock_vllm(gqa3):
@@ -242,6 +251,40 @@ def test_mixed_policies_in_one_batch_equal_each_request_alone(gqa3):
         assert ours["routing"]["decisions"] == single["routing"]["decisions"]
     tokens, _ = hf_generate(gqa3["model"], None, gqa3["long"][3], 12, SchedulePolicy(2, 4))
     assert mixed[3]["tokens"] == tokens
+
+
+class ForcedTokens(transformers.LogitsProcessor):
+    """Makes `generate()` emit `tokens` (a replay of a sampled output): ODA decides before logits processing, so its
+    decisions are those of a run that drew these tokens."""
+
+    def __init__(self, tokens: list, prompt_length: int):
+        self.tokens, self.prompt_length = tokens, prompt_length
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -math.inf)
+        forced[:, self.tokens[input_ids.shape[1] - self.prompt_length]] = 0.0
+        return forced
+
+
+def test_seeded_sampling_with_several_samples(gqa3):
+    """Sampling (temperature, top-p, a seed, n = 2): always-Full draws stock vLLM's samples; a head request has one
+    routing record per sample, with the decisions the Transformers path makes on that sample's tokens."""
+    sampled, stock = gqa3["oda"]["sampled"]["outputs"], gqa3["stock_sampled"]["outputs"]
+    for ours, theirs, n in zip(sampled[:2], stock, (2, 1)):
+        assert ours["samples"] == theirs["samples"] and len(ours["samples"]) == n
+    assert sampled[0]["samples"][0] != sampled[0]["samples"][1]  # two different draws, not one repeated
+    head = sampled[2]
+    assert len(head["samples"]) == 2 and head["routing"] is None  # records per sample, none under the parent's id
+    ids = gqa3["long"][6]
+    oda = OdaForCausalLM.from_pretrained(gqa3["model"], head=gqa3["head"], sinks=SINKS, window=WINDOW, threshold=0.0,
+                                         policy="head")
+    for tokens, record in zip(head["samples"], head["sample_routing"]):
+        assert record is not None and record["routed_steps"] == 11
+        processors = transformers.LogitsProcessorList([ForcedTokens(tokens, len(ids))])
+        out = oda.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, logits_processor=processors)
+        assert out[0, len(ids):].tolist() == tokens
+        assert record["decisions"] == oda.routing.decisions[0].tolist()
+    assert any(0 < sum(r["decisions"]) < 11 for r in head["sample_routing"]), "the head never mixed Full and Local"
 
 
 def test_bad_requests_fail_alone_and_the_engine_keeps_serving(gqa3):

@@ -9,7 +9,7 @@ import torch
 
 from oda_hf.vllm import engine_args
 from oda_hf.vllm.attention import check_prefix_caching, local_positions, paged_local_attention, routed_layers
-from oda_hf.vllm.requests import RequestRouting, RequestState, request_routing
+from oda_hf.vllm.requests import RequestRouting, RequestState, records_of, request_routing
 from oda_hf.vllm.settings import (
     SERVES_HEAD_ENV,
     check_request_admissible,
@@ -113,6 +113,22 @@ def test_budget_holds_at_every_decided_step():
     calls = [sum(state.decisions[:n]) for n in range(1, 21)]
     assert all(c <= 0.3 * n + 1e-9 for n, c in zip(range(1, 21), calls)) and calls[-1] == 6
     assert RequestState(RequestRouting("head")).within_budget()
+
+
+def test_records_of_a_request_include_its_samples_and_sub_requests():
+    from oda_hf.vllm import external_request_id
+    from oda_hf.vllm.server import _matching
+
+    engine_ids = ["1-92cc8161", "0_1-92cc8161", "1_1-92cc8161", "11-0a0b0c0d", "0_11-0a0b0c0d",  # offline ids
+                  "cmpl-ab-0-12345678", "cmpl-ab-1-12345678", "0_cmpl-ab-1-12345678", "cmpl-abc-12345678",
+                  "chatcmpl-x-12345678", "1_chatcmpl-x-12345678", "chatcmpl-x_1-12345678"]
+    records = {external_request_id(rid): rid for rid in engine_ids}
+    assert records_of(records, "1") == {"1": "1-92cc8161", "0_1": "0_1-92cc8161", "1_1": "1_1-92cc8161"}
+    assert list(records_of(records, "11")) == ["11", "0_11"]   # not the samples of "1", nor "1"'s
+    assert records_of(records, "cmpl-ab") == {}                 # per-prompt ids only for an OpenAI response
+    assert list(_matching(records, "cmpl-ab")) == ["cmpl-ab-0", "cmpl-ab-1", "0_cmpl-ab-1"]  # not cmpl-abc
+    assert list(_matching(records, "chatcmpl-x")) == ["chatcmpl-x", "1_chatcmpl-x", "chatcmpl-x_1"]
+    assert records_of(records, "2") == {}
 
 
 def test_summary_is_json_safe():

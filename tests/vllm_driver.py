@@ -2,7 +2,8 @@
 
 Run by tests/test_vllm_plugin.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
 own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
-or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true)}, ...], ...]}``. Each
+or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true),
+"sampling": {"temperature": t, "top_p": p, "seed": s, "n": n} (default greedy)}, ...], ...]}``. Each
 batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) records its error and the next batch runs
 on the same engine.
 """
@@ -28,8 +29,9 @@ def main(spec_path: str, out_path: str) -> None:
     llm = LLM(**engine)
     results = []
     for batch in spec["batches"]:
-        params = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=req.get("logprobs"),
-                                 ignore_eos=req.get("ignore_eos", True), extra_args=req.get("extra_args"))
+        params = [SamplingParams(max_tokens=req["max_tokens"], logprobs=req.get("logprobs"),
+                                 ignore_eos=req.get("ignore_eos", True), extra_args=req.get("extra_args"),
+                                 **(req.get("sampling") or {"temperature": 0.0}))
                   for req in batch]
         try:
             outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False)
@@ -45,7 +47,10 @@ def main(spec_path: str, out_path: str) -> None:
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
             rows.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
                          "num_cached_tokens": out.num_cached_tokens,
-                         "routing": routing.get(out.request_id)})
+                         "routing": routing.get(out.request_id),
+                         # every sample of an n > 1 request, and its routing record (vLLM ids it <k>_<id>)
+                         "samples": [list(c.token_ids) for c in out.outputs],
+                         "sample_routing": [routing.get(f"{k}_{out.request_id}") for k in range(len(out.outputs))]})
         results.append({"outputs": rows})
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -25,6 +25,7 @@ from .requests import (  # noqa: F401
     RequestRouting,
     parse_policy,
     pooled,
+    records_of,
     request_routing,
 )
 
@@ -134,15 +135,21 @@ def routing_stats(llm, outputs=None) -> dict:
 
     Per request: ``policy``, ``routed_steps`` (outputs after the first), ``decided_steps`` (those past sinks +
     window), ``full_calls``, ``full_call_rate`` (Full / decided), ``decisions`` and ``scores`` per routed step.
+    A request with ``n > 1`` samples has one record per sample, keyed ``<k>_<request id>`` as vLLM names them.
     """
     stats = llm.collective_rpc("oda_routing_stats")[0]
     by_request = {external_request_id(rid): value for rid, value in stats["requests"].items()}
     if outputs is not None:
-        missing = [out.request_id for out in outputs if out.request_id not in by_request]
+        chosen, missing = {}, []
+        for out in outputs:
+            records = records_of(by_request, out.request_id)  # one per sample of an n > 1 request
+            chosen.update(records)
+            if not records:
+                missing.append(out.request_id)
         if missing:
             raise KeyError(f"The engine has no ODA routing record of requests {missing} (it keeps the newest "
                            f"{FINISHED_KEPT:,} finished ones).")
-        by_request = {out.request_id: by_request[out.request_id] for out in outputs}
+        by_request = chosen
     return pooled(by_request)
 
 

@@ -146,6 +146,29 @@ class RequestState:
                 "scores": [None if math.isnan(score) else score for score in self.scores]}
 
 
+def records_of(records: dict, request_id: str, sub_requests: bool = False) -> dict:
+    """The routing records of one request: its own id, or one per sample when it asked for several (``n > 1``:
+    vLLM serves each sample as a request with the id ``<k>_<id>``). `sub_requests`: also the per-prompt requests
+    of an OpenAI response (``<id>-<i>`` for completions, ``<id>_<i>`` for chat), and their samples."""
+    def matches(rid: str) -> bool:
+        if rid == request_id:
+            return True
+        sample, underscore, parent = rid.partition("_")
+        if underscore and sample.isdigit() and matches_parent(parent):  # one sample of a parallel-sampling request
+            return True
+        return sub_requests and _is_sub_request(rid, request_id)
+
+    def matches_parent(parent: str) -> bool:
+        return parent == request_id or (sub_requests and _is_sub_request(parent, request_id))
+
+    return {rid: value for rid, value in records.items() if matches(rid)}
+
+
+def _is_sub_request(rid: str, request_id: str) -> bool:
+    rest = rid[len(request_id):] if rid.startswith(request_id) else ""
+    return len(rest) > 1 and rest[0] in "-_" and rest[1:].isdigit()
+
+
 def pooled(requests: dict) -> dict:
     """Per-request summaries and their totals; the pooled Full-call rate is Full / decided steps over them."""
     full = sum(v["full_calls"] for v in requests.values())

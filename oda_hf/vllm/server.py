@@ -5,7 +5,8 @@ this module's middleware, which adds:
 
 * ``GET /v1/oda/routing[?request_id=ID]``: per-request routing records (policy, routed and decided steps, Full
   calls, decisions, scores) keyed by the OpenAI response id (``cmpl-...`` / ``chatcmpl-...``; a completion with
-  several prompts has ``-0``, ``-1``... after it), and the pooled Full-call rate over them;
+  several prompts has ``-0``, ``-1``... after it; with ``n > 1`` each sample has its own record, ``0_<id>``,
+  ``1_<id>``...), and the pooled Full-call rate over them;
 * ``oda_routing`` in every non-streaming ``/v1/completions`` and ``/v1/chat/completions`` response (a streaming
   client reads the record from ``/v1/oda/routing`` with the id of its chunks);
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
@@ -33,9 +34,11 @@ async def _records(app) -> dict:
 
 
 def _matching(records: dict, request_id: str) -> dict:
-    """Records of one OpenAI response id: the id itself, or its per-prompt ids ``ID-0``, ``ID-1``, ..."""
-    return {rid: value for rid, value in records.items()
-            if rid == request_id or (rid.startswith(request_id + "-") and rid[len(request_id) + 1:].isdigit())}
+    """Records of one OpenAI response id: the id itself, its per-prompt ids (``ID-0``, ``ID-1``, ...) and the samples
+    of each (``0_ID``, ``1_ID``, ... when the request asks for ``n > 1``)."""
+    from .requests import records_of
+
+    return records_of(records, request_id, sub_requests=True)
 
 
 async def oda_routing_middleware(request, call_next):
