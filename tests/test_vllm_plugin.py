@@ -387,10 +387,13 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert seen["stream"]["routing"]["routed_steps"] == 9
     chat = next(iter(seen["chat"]["routing"]["requests"].values()))
     assert chat["policy"] == "schedule:1:2" and chat["routed_steps"] == 5
+    sampled = seen["sampled"]["routing"]
+    assert seen["sampled"]["choices"] == 4 and len(sampled["requests"]) == 4, sampled
+    assert all(r["routed_steps"] == 5 and r["policy"] == "schedule:1:2" for r in sampled["requests"].values())
     assert "sometimes" in seen["bad_policy"] and "oda_threshold" in seen["bad_threshold"]
     assert seen["after_bad"] == seen["completion"]["text"]
     metrics = dict(line.split() for line in seen["metrics"])
-    assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 9
+    assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 4 * 5 + 9
     assert 0.0 <= float(metrics["oda_pooled_full_call_rate"]) <= 1.0
 
 

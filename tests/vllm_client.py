@@ -28,6 +28,10 @@ def main(port: int, model: str, ids: list) -> None:
         model=model, messages=[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}], max_tokens=6,
         temperature=0, extra_body={"vllm_xargs": {"oda_policy": "schedule:1:2"}})
     seen["chat"] = {"text": chat.choices[0].message.content, "routing": chat.model_extra.get("oda_routing")}
+    # Two prompts, two samples each: four engine requests (<k>_<id>-<i>), one routing record each.
+    sampled = client.completions.create(model=model, prompt=[ids, ids[:-1]], max_tokens=6, temperature=0.8, seed=3,
+                                        n=2, extra_body={"vllm_xargs": {"oda_policy": "schedule:1:2"}})
+    seen["sampled"] = {"choices": len(sampled.choices), "routing": sampled.model_extra.get("oda_routing")}
     for name, xargs in {"bad_policy": {"oda_policy": "sometimes"}, "bad_threshold": {"oda_threshold": "high"}}.items():
         try:
             client.completions.create(model=model, prompt=ids, max_tokens=4, extra_body={"vllm_xargs": xargs})
