@@ -230,7 +230,36 @@ def _write_shards(model, rows, output_dir: str, manifest: dict, num_shards: int,
     bar.close()
 
 
-class SupervisionCache:
+class _CacheSettings:
+    """What a cache and a combination of caches answer alike, from `manifest`, `num_positions` and `num_bytes`."""
+
+    manifest: dict
+
+    @property
+    def sinks(self) -> int:
+        return self.manifest["sinks"]
+
+    @property
+    def window(self) -> int:
+        return self.manifest["window"]
+
+    @property
+    def tau_hist(self) -> float:
+        return self.manifest["tau_hist"]
+
+    @property
+    def seq_len(self) -> int | None:
+        """The rows' length (None for combined caches whose lengths differ)."""
+        return self.manifest["seq_len"]
+
+    def __len__(self) -> int:
+        return self.manifest["rows"]
+
+    def bytes_per_1k_positions(self) -> float:
+        return 1000 * self.num_bytes / max(self.num_positions, 1)
+
+
+class SupervisionCache(_CacheSettings):
     """A finished cache folder: its manifest and random access to each row's positions."""
 
     def __init__(self, path: str | os.PathLike):
@@ -253,29 +282,10 @@ class SupervisionCache:
         self._handles: dict[int, object] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 
-    @property
-    def sinks(self) -> int:
-        return self.manifest["sinks"]
-
-    @property
-    def window(self) -> int:
-        return self.manifest["window"]
-
-    @property
-    def tau_hist(self) -> float:
-        return self.manifest["tau_hist"]
-
-    @property
-    def seq_len(self) -> int | None:
-        return self.manifest["seq_len"]
-
     def __getstate__(self):  # safetensors handles do not pickle (DataLoader workers reopen them)
         state = dict(self.__dict__)
         state["_handles"], state["_offsets"] = {}, {}
         return state
-
-    def __len__(self) -> int:
-        return self.manifest["rows"]
 
     @property
     def num_positions(self) -> int:
@@ -284,9 +294,6 @@ class SupervisionCache:
     @property
     def num_bytes(self) -> int:
         return sum(s["bytes"] for s in self.shards)
-
-    def bytes_per_1k_positions(self) -> float:
-        return 1000 * self.num_bytes / max(self.num_positions, 1)
 
     def _shard(self, shard: int):
         if shard not in self._handles:
@@ -325,7 +332,7 @@ class SupervisionCache:
 SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size")
 
 
-class CombinedSupervisionCache:
+class CombinedSupervisionCache(_CacheSettings):
     """Several finished caches trained on as one: the rows of the first, then those of the next, and so on.
 
     Supervision already computed stays useful when training data grows: cache the new documents on their own and
@@ -359,35 +366,12 @@ class CombinedSupervisionCache:
             self._first_rows.append(self._first_rows[-1] + len(cache))
 
     @property
-    def sinks(self) -> int:
-        return self.manifest["sinks"]
-
-    @property
-    def window(self) -> int:
-        return self.manifest["window"]
-
-    @property
-    def tau_hist(self) -> float:
-        return self.manifest["tau_hist"]
-
-    @property
-    def seq_len(self) -> int | None:
-        """The caches' row length, or None where they differ."""
-        return self.manifest["seq_len"]
-
-    def __len__(self) -> int:
-        return self.manifest["rows"]
-
-    @property
     def num_positions(self) -> int:
         return sum(cache.num_positions for cache in self.caches)
 
     @property
     def num_bytes(self) -> int:
         return sum(cache.num_bytes for cache in self.caches)
-
-    def bytes_per_1k_positions(self) -> float:
-        return 1000 * self.num_bytes / max(self.num_positions, 1)
 
     def row(self, i: int) -> dict:
         if not 0 <= i < len(self):
