@@ -142,6 +142,9 @@ def main() -> None:
                         help="output cap of the model's answers instead of each task's (as oda eval's flag)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for --answers model/both")
     args = parser.parse_args()
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be a positive integer; got {value}.")
     from transformers import AutoTokenizer
 
     from oda_hf.known_models import resolve_base
@@ -161,9 +164,11 @@ def main() -> None:
         documents += ruler_documents(tokenizer, [length], n, args.seed, args.split, args.reference_window,
                                      args.chat_template, args.max_position_embeddings, args.answers, model_answers)
     documents += prose_documents(tokenizer, args.prose, args.prose_tokens, args.seed, args.split)
-    with open(args.out, "w", encoding="utf-8") as f:
+    partial = args.out + ".tmp"  # written whole, then renamed: a killed run never leaves a truncated file
+    with open(partial, "w", encoding="utf-8") as f:
         for document in documents:
             f.write(json.dumps(document) + "\n")
+    os.replace(partial, args.out)
     tokens = sum(len(d["input_ids"]) for d in documents)
     print(f"{len(documents)} documents, {tokens} tokens -> {args.out}")
 
