@@ -3,6 +3,7 @@ reports, trajectories and fixed-reference diagnostics (all on tiny models and fi
 
 import argparse
 import itertools
+import hashlib
 import json
 import math
 import os
@@ -635,6 +636,64 @@ def test_merge_keeps_the_matched_random_records_drawn_at_the_current_rate(tmp_pa
     assert [merged[(r["id"], r["policy"])] for r in fresh] == fresh
 
 
+def test_random_controls_draw_per_example(tmp_path):
+    """Each prompt of a seed takes its own draws (seeded by seed and example id), the ones `RandomPolicy` with
+    `example_seed` makes; a fixed-p Random record replays exactly through `generate()`."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    suite = _suite(n_per_task=3)
+    records = runner.evaluate(model, tokenizer, suite, [runner.random_fixed(0.5, 42)], tmp_path / "r.jsonl",
+                              progress=False)
+    assert all(r["settings"]["random_draws"] == "per-example" for r in records)
+    assert runner.example_seed(42, "qa_1/0") == runner.example_seed(42, "qa_1/0") != runner.example_seed(43, "qa_1/0")
+    assert runner.example_seed(42, "qa_1/0") != runner.example_seed(42, "qa_1/1")
+    # Pinned: the seed must not depend on the process (Python's str hash does) or the platform.
+    assert runner.example_seed(42, "qa_1/0") == int.from_bytes(hashlib.sha256(b"42/qa_1/0").digest()[:8], "big") >> 1
+    patterns = {tuple(r["decisions"]) for r in records if r["routed_steps"] >= 4}
+    assert len(patterns) > 1, "prompts of one seed must not share one decision pattern"
+    for record in records:
+        example = next(e for e in suite if e.id == record["id"])
+        ids = torch.tensor([runner.encode_prompt(example, tokenizer)])
+        model.set_routing(policy=RandomPolicy(0.5, runner.example_seed(42, example.id)))
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                       generation_config=runner.greedy_config(model, tokenizer, example.max_new_tokens))
+        assert model.routing.decisions[0, :record["routed_steps"]].tolist() == record["decisions"]
+    with pytest.raises(ValueError, match="per example"):
+        runner.random_fixed(0.5, 42).routing()
+
+
+def _as_old_draws(path):
+    """Rewrite a results file's Random records as an older oda_hf wrote them (no `random_draws` setting)."""
+    lines = []
+    for record in map(json.loads, path.read_text().splitlines()):
+        if record["kind"] == "random":
+            del record["settings"]["random_draws"]
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_random_records_of_shared_draws_are_drawn_again_and_the_rest_kept(tmp_path, monkeypatch):
+    model, tokenizer = oda_model(), word_tokenizer()
+    suite, policies = _suite(n_per_task=2), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
+    path = tmp_path / "results.jsonl"
+    fresh = runner.evaluate(model, tokenizer, suite, policies, path, progress=False)
+    _as_old_draws(path)
+    calls = []
+    original = runner.generate_record
+    monkeypatch.setattr(runner, "generate_record", lambda *a, **k: calls.append(a[3].name) or original(*a, **k))
+    again = runner.evaluate(model, tokenizer, suite, policies, path, progress=False)
+    assert calls == ["random~oda@0/seed42"] * len(suite)  # Full and ODA records reused
+    assert again == fresh
+    keyed = {(r["id"], r["policy"]): r for r in fresh}
+    assert runner.ResultsFile(path, repair=False).records == keyed  # the new records supersede the old
+    # Merging: the example's own draws replace shared ones, never the other way round.
+    old = tmp_path / "old" / "results.jsonl"
+    runner.evaluate(model, tokenizer, suite, policies, old, progress=False)
+    _as_old_draws(old)
+    assert runner.merge_results(path, [old]) == 0
+    assert runner.merge_results(old, [path]) == len(suite)
+    assert runner.ResultsFile(old, repair=False).records == keyed
+
+
 def _first_run(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]
@@ -719,7 +778,10 @@ def test_records_without_settings_are_not_reused(tmp_path):
     with pytest.raises(ValueError, match="without its settings"):
         runner.evaluate(model, tokenizer, examples, policies, path, progress=False)
     adopted = runner.evaluate(model, tokenizer, examples, policies, path, progress=False, adopt_unlabeled=True)
-    assert adopted == [{k: v for k, v in r.items() if k != "settings"} for r in records]  # reused, not redone
+    # Reused, not redone; except Random records: older versions drew them with one seed for all prompts.
+    assert [r for r in adopted if r["kind"] != "random"] == [
+        {k: v for k, v in r.items() if k != "settings"} for r in records if r["kind"] != "random"]
+    assert [r for r in adopted if r["kind"] == "random"] == [r for r in records if r["kind"] == "random"]
     assert json.loads((tmp_path / "results.manifest.json").read_text())["settings"]["sinks"] == 2
 
 

@@ -102,8 +102,12 @@ class PolicySpec:
     def name(self) -> str:
         return f"{self.group}/seed{self.seed}" if self.kind == "random" else self.group
 
-    def routing(self, p: float | None = None) -> dict:
-        """Keyword arguments for `OdaForCausalLM.set_routing` (`p`: the matched Random probability)."""
+    def routing(self, p: float | None = None, example_id: str | None = None) -> dict:
+        """Keyword arguments for `OdaForCausalLM.set_routing` (`p`: the matched Random probability).
+
+        A Random policy draws from `example_seed` (its seed and `example_id`), so the prompts of one seed take
+        independent draws; the same seed for every prompt would give every prompt the same Full steps, and a task's
+        realized rate would then be one sample of a few draws rather than an average over its prompts."""
         if self.kind == "full":
             return {"policy": "full"}
         if self.kind == "local":
@@ -117,11 +121,25 @@ class PolicySpec:
         probability = self.p if not self.matched else p
         if probability is None:
             raise ValueError(f"{self.name}: the matched probability is not known yet.")
-        return {"policy": RandomPolicy(probability, self.seed)}
+        if example_id is None:
+            raise ValueError(f"{self.name}: a Random policy draws per example; pass the example's id.")
+        return {"policy": RandomPolicy(probability, example_seed(self.seed, example_id))}
 
     def describe(self) -> dict:
         return {"policy": self.name, "group": self.group, "kind": self.kind, "threshold": self.threshold,
                 "seed": self.seed, "schedule": None if self.kind != "schedule" else [self.k, self.period]}
+
+
+# Recorded with every Random record: records drawn another way (one generator seed for all prompts, as before) are not
+# reused beside these.
+RANDOM_DRAWS = "per-example"
+
+
+def example_seed(seed: int, example_id: str) -> int:
+    """The generator seed of a Random policy's `seed` on the example `example_id`: 63 bits of SHA-256 of both,
+    stable across processes and platforms (unlike Python's `hash`)."""
+    digest = hashlib.sha256(f"{int(seed)}/{example_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def full() -> PolicySpec:
@@ -284,9 +302,12 @@ def run_settings(model, chat_template: bool = False) -> dict:
 def record_settings(settings: dict, spec: PolicySpec, example: EvalExample, input_ids: Sequence[int],
                     p: float | None = None) -> dict:
     """Everything one record's result depends on: the run's settings, its policy, output cap and prompt."""
-    return {**settings, "policy": spec.name, "threshold": spec.threshold, "seed": spec.seed,
-            "p": p if spec.kind == "random" and spec.matched else spec.p,
-            "max_new_tokens": example.max_new_tokens, "prompt_sha256": prompt_fingerprint(input_ids)}
+    record = {**settings, "policy": spec.name, "threshold": spec.threshold, "seed": spec.seed,
+              "p": p if spec.kind == "random" and spec.matched else spec.p,
+              "max_new_tokens": example.max_new_tokens, "prompt_sha256": prompt_fingerprint(input_ids)}
+    if spec.kind == "random":
+        record["random_draws"] = RANDOM_DRAWS
+    return record
 
 
 def _differences(old: dict, new: dict, keys: Iterable[str] | None = None) -> list[str]:
@@ -376,7 +397,11 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
             if held is None:
                 results.add(record)
                 added += 1
-            elif is_matched_random(record) and record.get("p") != held.get("p"):
+            elif record.get("kind") == "random" and draws_per_example(record) and not draws_per_example(held):
+                results.add(record)  # the example's own draws supersede the draws shared by every prompt
+                added += 1
+            elif (is_matched_random(record) and record.get("p") != held.get("p")
+                  and (draws_per_example(record) or not draws_per_example(held))):
                 contested.setdefault(key, []).append(record)
     # Of a matched Random pair drawn at several rates, the valid record is the one at ODA's per-task rate over
     # the merged records (how `evaluate` draws it); without one, the held record stays (a rerun redraws it).
@@ -406,7 +431,17 @@ def _finished(results: ResultsFile, example: EvalExample, spec: PolicySpec, p: f
         logger.info(f"({example.id}, {spec.name}) was drawn with p={record.get('p')!r}, ODA's rate is now {p!r} "
                     "(the run covers other prompts): generating it again.")
         return False
+    if spec.kind == "random" and not draws_per_example(record):
+        logger.info(f"({example.id}, {spec.name}) was drawn with one generator seed for every prompt (older oda_hf): "
+                    "generating it again with the example's own draws.")
+        return False
     return True
+
+
+def draws_per_example(record: dict) -> bool:
+    """Whether a Random `record` took its example's own draws (`example_seed`), not the draws shared by every prompt
+    that older versions used; such an old record is generated again, and the new one supersedes it."""
+    return (record.get("settings") or {}).get("random_draws") == RANDOM_DRAWS
 
 
 def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalExample],
@@ -433,7 +468,9 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
                                  "reused safely. Write to a new output folder (--out), or, if you know it was made "
                                  "with this run's settings, pass adopt_unlabeled=True (--adopt-unlabeled-records).")
             expected = record_settings(settings, spec, example, input_ids)
-            differences = _differences(record["settings"], expected, [k for k in expected if k != "p"])
+            # p and the Random draws are checked by `_finished`: a record with another of them is generated again.
+            differences = _differences(record["settings"], expected,
+                                       [k for k in expected if k not in ("p", "random_draws")])
             if differences:
                 raise ValueError(f"{where} generated with other settings: " + "; ".join(differences)
                                  + ". Records of different settings must not mix: write to a new output folder "
@@ -599,7 +636,7 @@ def generate_record(model, tokenizer, example: EvalExample, spec: PolicySpec, in
     saved = model.oda_config
     eos = eos_token_ids(model, tokenizer)
     try:
-        model.set_routing(**spec.routing(p))
+        model.set_routing(**spec.routing(p, example.id))
         config = greedy_config(model, tokenizer, example.max_new_tokens)
         if prefill is None:
             ids = torch.tensor([list(input_ids)], dtype=torch.long, device=model.device)
