@@ -639,6 +639,54 @@ def test_qwen3_5_without_torchvision_names_the_fix():
     assert "needs a working torchvision" in proc.stderr and "pip install torchvision" in proc.stderr
 
 
+HAND_CONFIG_PROBE = """
+import json, os, sys
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from oda_hf.vllm.validator import OdaRequestValidator
+oda = {"head": sys.argv[2] or None, "sinks": 4, "window": 16}
+config = EngineArgs(model=sys.argv[1], hf_overrides={"architectures": ["OdaQwen3_5ForCausalLM"], "oda": oda},
+                    dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True).create_engine_config()
+try:
+    OdaRequestValidator.validate_params(SamplingParams(extra_args={"oda_policy": "head"}))
+    admitted = "admitted"
+except ValueError as err:
+    admitted = str(err)
+print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model_config.hf_text_config.rope_parameters),
+                  admitted]))
+"""
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path, with_head):
+    """`hf_overrides` naming an ODA class, without `engine_args` (README's hand-started server): vLLM's config hook of
+    the base architecture runs (Qwen3.5: the checkpoint's recurrent-state dtype, M-RoPE fields dropped for the text
+    model), and admission knows whether the engine has a head (a head request to a headless one is refused before
+    it reaches a model step, where it would stop the engine)."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+        linear_num_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, mamba_ssm_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    config.architectures = ["Qwen3_5ForCausalLM"]   # as a real checkpoint's text model carries them
+    config.save_pretrained(tmp_path)
+    path = [REPO] + ([] if _vllm_has_torchvision() else [os.path.join(REPO, "tests", "vllm_stubs")])
+    # A fresh process knows nothing of an engine_args call in this one (which records the head in the environment).
+    env = {key: value for key, value in os.environ.items() if key != "ODA_VLLM_SERVES_HEAD"}
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    proc = subprocess.run([VLLM_PYTHON, "-c", HAND_CONFIG_PROBE, str(tmp_path), "/heads/h" if with_head else ""],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dtype, rope, admitted = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert dtype == "float32" and rope == ["partial_rotary_factor", "rope_theta", "rope_type"]
+    if with_head:
+        assert admitted == "admitted"
+    else:
+        assert "needs the recall head" in admitted
+
+
 def test_oda_serve_command_line_carries_the_engine_settings(qwen3_5):
     """`oda serve`'s server command line, parsed by vLLM's own server parser: Qwen3.5's settings from engine_args
     (prefix caching off) arrive; a flag the user passes after `--` wins."""

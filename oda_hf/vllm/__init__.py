@@ -16,6 +16,7 @@ This package imports vLLM only inside functions, so ``import oda_hf.vllm`` works
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from .requests import (  # noqa: F401
@@ -29,6 +30,8 @@ from .requests import (  # noqa: F401
     request_routing,
 )
 
+logger = logging.getLogger(__name__)
+
 ODA_ARCHITECTURES = {
     "LlamaForCausalLM": "OdaLlamaForCausalLM",
     "MistralForCausalLM": "OdaLlamaForCausalLM",
@@ -40,13 +43,53 @@ ODA_ARCHITECTURES = {
 
 
 def register() -> None:
-    """vLLM plugin entry point: register the ODA model classes (lazily, by name; idempotent)."""
+    """vLLM plugin entry point: register the ODA model classes (lazily, by name; idempotent) and their config hooks."""
     from vllm import ModelRegistry
 
     known = set(ModelRegistry.get_supported_archs())
     for name in sorted(set(ODA_ARCHITECTURES.values())):
         if name not in known:
             ModelRegistry.register_model(name, f"oda_hf.vllm.model:{name}")
+    _register_config_hooks()
+
+
+def _register_config_hooks() -> None:
+    """Give every ODA architecture vLLM's config hook of its base architecture, which vLLM finds by architecture name
+    (e.g. Qwen3.5's: the recurrent state's dtype from the checkpoint and one-dimensional rotary positions), so an
+    engine configured by hand (``hf_overrides`` naming an ODA class) is configured as `engine_args` configures it.
+    The hook also records whether the engine serves a head, so that admission refuses head requests to a headless
+    engine however it was built (`settings.note_served_head_from_config`) instead of failing inside a model step."""
+    try:
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+    except ImportError:  # another vLLM layout: engine_args still applies the base's settings itself
+        logger.debug("vLLM has no MODELS_CONFIG_MAP: ODA's config hooks are not registered.")
+        return
+    for oda_name in sorted(set(ODA_ARCHITECTURES.values())):
+        if oda_name in MODELS_CONFIG_MAP:
+            continue
+        bases = [base for base, name in ODA_ARCHITECTURES.items() if name == oda_name]
+        base_hooks = tuple(dict.fromkeys(MODELS_CONFIG_MAP[b] for b in bases if b in MODELS_CONFIG_MAP))
+        MODELS_CONFIG_MAP[oda_name] = _config_hook(oda_name, base_hooks, VerifyAndUpdateConfig)
+
+
+def _config_hook(oda_name: str, base_hooks: tuple, hook_base: type) -> type:
+    def verify_and_update_config(vllm_config) -> None:
+        for hook in base_hooks:
+            hook.verify_and_update_config(vllm_config)
+        from .settings import note_served_head, served_head_of
+
+        serves_head = served_head_of(vllm_config)
+        if serves_head is not None:
+            note_served_head(serves_head)
+
+    def verify_and_update_model_config(model_config) -> None:
+        for hook in base_hooks:
+            hook.verify_and_update_model_config(model_config)
+
+    return type(f"{oda_name}Config", (hook_base,), {
+        "__doc__": f"vLLM's config hooks of {oda_name}'s base architecture, and a note of its head.",
+        "verify_and_update_config": staticmethod(verify_and_update_config),
+        "verify_and_update_model_config": staticmethod(verify_and_update_model_config)})
 
 
 def oda_architecture(model_folder: str) -> str:

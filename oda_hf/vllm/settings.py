@@ -22,15 +22,22 @@ def note_served_head(has_head: bool) -> None:
     os.environ[SERVES_HEAD_ENV] = "1" if has_head or os.environ.get(SERVES_HEAD_ENV) == "1" else "0"
 
 
+def served_head_of(vllm_config) -> bool | None:
+    """Whether the engine of `vllm_config` serves a recall head, from its model's ``oda`` override (None: not an
+    ODA engine, or unknown)."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    settings = getattr(hf_config, "oda", None)
+    return bool(settings.get("head")) if isinstance(settings, dict) else None
+
+
 def note_served_head_from_config(vllm_config) -> None:
     """For a server started by hand (``vllm.entrypoints.openai.api_server --hf-overrides '{"oda": ...}'``, not through
     `engine_args`): record whether it serves a head from its model's ``oda`` override, unless already known."""
     if os.environ.get(SERVES_HEAD_ENV) in ("0", "1"):
         return
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    settings = getattr(hf_config, "oda", None)
-    if isinstance(settings, dict):
-        note_served_head(bool(settings.get("head")))
+    serves_head = served_head_of(vllm_config)
+    if serves_head is not None:
+        note_served_head(serves_head)
 
 
 def check_request_admissible(extra_args: dict | None) -> None:
