@@ -509,6 +509,22 @@ def test_gemma3_prefix_caching_without_the_hybrid_kv_cache_manager_is_refused(ge
     assert "needs vLLM's hybrid KV cache manager" in (tmp_path / "no_hma.log").read_text()
 
 
+def test_speculative_decoding_is_refused_at_engine_start(tmp_path):
+    """Measured before the check (ngram speculation, 2 draft tokens, policy local): of 20 tokens only 9 were routed;
+    the verification steps ran as prompt chunks, with Full attention and no record. An engine built by hand (no
+    engine_args, which refuses it before any process starts) must refuse it when the model is built."""
+    folder = str(tmp_path / "model")
+    build_model(folder, heads=2, kv_heads=1)
+    engine = {"hf_overrides": {"architectures": ["OdaLlamaForCausalLM"],
+                               "oda": {"head": None, "sinks": SINKS, "window": WINDOW, "policy": "local"}},
+              "worker_cls": "oda_hf.vllm.worker.OdaCPUWorker",
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                     "prompt_lookup_min": 1}}
+    with pytest.raises(AssertionError, match="vLLM driver failed"):
+        run_vllm(tmp_path, "speculative", folder, [[request(prompt(40, seed=1), policy="local")]], oda=None, **engine)
+    assert "ODA does not serve with speculative decoding" in (tmp_path / "speculative.log").read_text()
+
+
 # -- Qwen3.5: Gated DeltaNet linear attention beside full attention ---------------------------------------------
 # vLLM's CPU kernels for Gated DeltaNet run only in bfloat16 with head dim 128, so this model is bfloat16 and its
 # checks against the Transformers path compare tokens and decisions, not logprobs to 1e-4.

@@ -349,3 +349,8 @@ def test_oda_serve_passes_every_engine_setting_as_a_flag():
     assert engine_flags({"enforce_eager": True, "enable_prefix_caching": False, "mamba_ssm_cache_dtype": "float32"}) == [
         "--enforce-eager", "--no-enable-prefix-caching", "--mamba-ssm-cache-dtype", "float32"]
     assert engine_flags({}) == []
+
+
+def test_engine_args_refuse_speculative_decoding():
+    with pytest.raises(ValueError, match="ODA does not serve with speculative decoding.*without speculative_config"):
+        engine_args("any-folder", speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -40,6 +40,16 @@ def note_served_head_from_config(vllm_config) -> None:
         note_served_head(serves_head)
 
 
+def check_no_speculative_decoding(speculative_config) -> None:
+    """ValueError for an engine with speculative decoding: its verification steps score several tokens of a request
+    in one pass, which ODA's routed step (one token per decode row, decided Local or Full) would run as a prompt chunk,
+    with Full attention and no routing record, whatever the request asked for."""
+    if speculative_config:
+        raise ValueError("ODA does not serve with speculative decoding: a verification step runs several tokens of a "
+                         "request in one pass, and ODA routes one token per step (those tokens would get Full "
+                         "attention whatever the policy). Start the engine without speculative_config.")
+
+
 def check_request_admissible(extra_args: dict | None) -> None:
     """ValueError for a request this process's engines cannot serve: invalid ODA knobs, or a policy that needs the
     recall head when every engine configured here runs without one (it would otherwise fail inside a model step,
