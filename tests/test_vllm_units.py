@@ -354,3 +354,21 @@ def test_oda_serve_passes_every_engine_setting_as_a_flag():
 def test_engine_args_refuse_speculative_decoding():
     with pytest.raises(ValueError, match="ODA does not serve with speculative decoding.*without speculative_config"):
         engine_args("any-folder", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
+    from types import SimpleNamespace
+
+    from oda_hf.vllm.settings import check_engine_features
+
+    def config(speculative=None, stages=1, prompt_embeds=False):
+        return SimpleNamespace(speculative_config=speculative,
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
+                               model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds))
+
+    check_engine_features(config())
+    for bad, message in ((config(speculative={"method": "ngram"}), "speculative decoding"),
+                         (config(stages=2), "pipeline_parallel_size=2"),
+                         (config(prompt_embeds=True), "without enable_prompt_embeds")):
+        with pytest.raises(ValueError, match=message):
+            check_engine_features(bad)

@@ -27,7 +27,7 @@ import contextlib
 import torch
 
 from .attention import LocalPlan, check_prefix_caching, local_plan, oda_attention_impl_class, routed_layers
-from .settings import ServingSettings, check_no_speculative_decoding
+from .settings import ServingSettings, check_engine_features
 
 
 class OdaCausalLMMixin:
@@ -45,7 +45,7 @@ class OdaCausalLMMixin:
         if graphs is not None and graphs != CUDAGraphMode.NONE:
             raise ValueError(f"ODA's routed step cannot run inside CUDA graphs (cudagraph_mode={graphs.name}): start "
                              "the engine with enforce_eager=True (oda_hf.vllm.engine_args does on GPUs).")
-        check_no_speculative_decoding(vllm_config.speculative_config)
+        check_engine_features(vllm_config)
         self.oda_settings = ServingSettings.from_override(getattr(vllm_config.model_config.hf_config, "oda", None))
         head = None
         if self.oda_settings.head is not None:

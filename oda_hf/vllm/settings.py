@@ -50,6 +50,19 @@ def check_no_speculative_decoding(speculative_config) -> None:
                          "attention whatever the policy). Start the engine without speculative_config.")
 
 
+def check_engine_features(vllm_config) -> None:
+    """ValueError at engine start for what ODA's routed step cannot serve, rather than at the first request that
+    needs it, where the error would stop the engine with every request in it."""
+    check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
+    stages = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+    if stages and stages > 1:
+        raise ValueError(f"ODA serves on one pipeline stage (pipeline_parallel_size={stages}): the routed step needs "
+                         "the whole model in one pass. Use tensor parallelism or pipeline_parallel_size=1.")
+    if getattr(getattr(vllm_config, "model_config", None), "enable_prompt_embeds", False):
+        raise ValueError("ODA serves token-id prompts (the recall head reads each token's embedding): start the "
+                         "engine without enable_prompt_embeds.")
+
+
 def check_request_admissible(extra_args: dict | None) -> None:
     """ValueError for a request this process's engines cannot serve: invalid ODA knobs, or a policy that needs the
     recall head when every engine configured here runs without one (it would otherwise fail inside a model step,
