@@ -125,6 +125,29 @@ def hf_generate(model, head_folder, ids, max_tokens, policy, threshold=0.0):
     return out[0, len(ids):].tolist(), oda.routing
 
 
+# Preemption: 4 requests that need more KV blocks than the engine has, so vLLM preempts some and resumes them by
+# recomputing their prompt and generated tokens as one prompt chunk.
+PREEMPT_POLICIES = ["full", "local", "head", "random:0.5:3"]
+PREEMPT_PROMPTS = [prompt(140, seed=200 + i) for i in range(4)]
+
+
+def preemption_batches(prompts: list, max_tokens: int) -> list:
+    return [[request(ids, max_tokens, policy, threshold=0.0 if policy == "head" else None)
+             for ids, policy in zip(prompts, PREEMPT_POLICIES)]]
+
+
+def check_preempted_equals_unpressed(pressed: list, free: list, max_tokens: int) -> None:
+    """Requests that vLLM preempted (and resumed by recomputing their history) equal the same requests without
+    memory pressure: tokens, decisions, every output after the first a routed step."""
+    for ours, alone in zip(pressed, free):
+        assert len(ours["tokens"]) == max_tokens
+        assert ours["tokens"] == alone["tokens"]
+        assert ours["routing"]["decisions"] == alone["routing"]["decisions"]
+        assert ours["routing"]["routed_steps"] == max_tokens - 1
+        assert alone["routing"]["recomputed_tokens"] == 0
+    assert any(o["routing"]["recomputed_tokens"] for o in pressed), "no request was preempted: the test saw nothing"
+
+
 # Window edges: routed steps at seq_len w, w+1, s+w, s+w+1 and far past it (many wrap-arounds of a ring).
 EDGE_LENGTHS = [WINDOW - 2, WINDOW, SPAN - 1, SPAN, SPAN + 1, 45, 150]
 
@@ -154,6 +177,8 @@ def gqa3(tmp_path_factory):
         "sampled": [request(long[5], policy="full", sampling=SAMPLING[0]), request(long[6], policy="full",
                                                                                sampling=SAMPLING[1]),
                     request(long[6], policy="head", threshold=0.0, sampling=SAMPLING[0])],
+        # the requests of the preemption test, without memory pressure
+        "preempt_free": preemption_batches(PREEMPT_PROMPTS, 60)[0],
     }
     order = list(batches)
     stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
@@ -397,29 +422,23 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert 0.0 <= float(metrics["oda_pooled_full_call_rate"]) <= 1.0
 
 
-def test_preemption_resumes_from_a_full_prefill(gqa3, tmp_path):
-    """A KV space of 12 blocks for 4 requests that need 7 each forces vLLM to preempt. The V1 runner then recomputes
-    the request's prompt and output with a Full prefill (which produces its next output: not a routed step) and ODA
-    goes on from that history. So always-Full still equals the stock model, every request finishes, and a preempted
-    request counts fewer routed steps than outputs - 1."""
+def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):
+    """A KV space of 12 blocks for 4 requests that need 7 each forces vLLM to preempt; V1 then recomputes the prompt
+    and the generated tokens as one prompt chunk. Measured before ODA replayed it: recomputed with Full attention,
+    always-Local requests diverged from unpreempted ones (first at output 32 and 61 of 150) and the resumed step
+    was not routed. Now each generated token is recomputed as its step went (Local or Full) and the resumed step is
+    routed: every policy gives the tokens and decisions of the same requests without memory pressure, and the
+    Transformers path's for Full, Local and Random."""
     folder = os.path.dirname(gqa3["head"])
-    prompts = [prompt(140, seed=200 + i) for i in range(4)]
-    policies = ["full", "local", "full", "local"]
-    results = run_vllm(tmp_path, "preempt", folder, [[request(ids, 60, policy) for ids, policy in zip(prompts,
-                       policies)]], oda={"head": gqa3["head"], "sinks": SINKS, "window": WINDOW},
-                       max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4)
-    outputs = results[0]["outputs"]
-    assert all(len(o["tokens"]) == 60 for o in outputs)
-    for ids, policy, ours in zip(prompts, policies, outputs):
-        routing = ours["routing"]
-        assert len(routing["decisions"]) == routing["routed_steps"] <= 59
-        if policy == "full":
-            tokens, _ = hf_generate(gqa3["model"], None, ids, 60, "full")
+    oda = {"head": gqa3["head"], "sinks": SINKS, "window": WINDOW}
+    pressed = run_vllm(tmp_path, "preempt", folder, preemption_batches(PREEMPT_PROMPTS, 60), oda=oda,
+                       max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4)[0]["outputs"]
+    check_preempted_equals_unpressed(pressed, gqa3["oda"]["preempt_free"]["outputs"], 60)
+    assert 0 < pressed[2]["routing"]["full_calls"] < pressed[2]["routing"]["decided_steps"], "the head never mixed"
+    for ids, policy, ours in zip(PREEMPT_PROMPTS, ["full", "local", None, RandomPolicy(0.5, seed=3)], pressed):
+        if policy is not None:
+            tokens, _ = hf_generate(gqa3["model"], None, ids, 60, policy)
             assert ours["tokens"] == tokens
-            assert routing["full_calls"] == routing["decided_steps"]
-        else:
-            assert routing["full_calls"] == 0
-    assert min(o["routing"]["routed_steps"] for o in outputs) < 59, "no request was preempted: the test saw nothing"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,7 +467,7 @@ def build_gemma3(folder, seed: int = 5):
 def gemma3(tmp_path_factory):
     """One stock engine and one ODA engine (prefix caching on) for a tiny Gemma 3."""
     tmp, folder, model, head, long = served_model(tmp_path_factory, "vllm_gemma3", build_gemma3, prompt_seed=11)
-    batches = edge_batches(long)
+    batches = {**edge_batches(long), "preempt_free": preemption_batches(GEMMA_PREEMPT_PROMPTS, 150)[0]}
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
                    enable_prefix_caching=True)
     results = dict(zip(batches, oda))
@@ -460,6 +479,19 @@ def gemma3(tmp_path_factory):
     stock = run_vllm(tmp, "stock", folder, [batches["full"], [request(extended, logprobs=1)]], oda=None,
                      enable_prefix_caching=False)
     return dict(model=model, head=head, long=long, oda=results, follow=follow, stock=stock)
+
+
+GEMMA_PREEMPT_PROMPTS = [prompt(100, seed=300 + i) for i in range(4)]
+
+
+def test_gemma3_preempted_requests_continue_as_if_never_preempted(gemma3, tmp_path):
+    """As for Llama, with sliding-window layers (they attend natively in every pass, the recomputed chunk too). 24 KV
+    blocks (12 per group) for 4 requests of 250 tokens."""
+    folder = os.path.dirname(gemma3["head"])
+    pressed = run_vllm(tmp_path, "preempt", folder, preemption_batches(GEMMA_PREEMPT_PROMPTS, 150),
+                       oda={"head": gemma3["head"], "sinks": SINKS, "window": WINDOW}, max_model_len=352,
+                       num_gpu_blocks_override=24, enable_prefix_caching=True)[0]["outputs"]
+    check_preempted_equals_unpressed(pressed, gemma3["oda"]["preempt_free"]["outputs"], 150)
 
 
 def test_gemma3_always_full_equals_stock_vllm(gemma3):
@@ -559,13 +591,41 @@ def qwen3_5(tmp_path_factory):
                # states and reruns Full, which must end where always-Full does
                "head_always": [request(ids, policy="head", threshold=-1e9, logprobs=1) for ids in long],
                "mixed": [request(long[6], policy="local"), request(long[5], policy="head", threshold=-1e9),
-                         request(long[4], policy="head", threshold=0.0), request(long[3], policy="full")]}
+                         request(long[4], policy="head", threshold=0.0), request(long[3], policy="full")],
+               "preempt_free": preemption_batches(QWEN3_5_PREEMPT_PROMPTS, 100)[0]}
     engine = dict(dtype="bfloat16", torchvision=True)
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
                    **engine)
     stock = run_vllm(tmp, "stock", folder, [batches["full"]], oda=None, enable_prefix_caching=False, **engine)
     return dict(model=model, head=head, long=long, oda=dict(zip(batches, oda)), stock=stock[0], tmp=tmp,
                 folder=folder)
+
+
+# Qwen3.5's attention blocks hold 544 tokens here (vLLM sizes them to the recurrent states' pages), so preemption
+# needs requests that cross a block: 4 of 600 tokens in 6 blocks.
+QWEN3_5_PREEMPT_PROMPTS = [prompt(500, seed=400 + i) for i in range(4)]
+
+
+def test_qwen3_5_preempted_requests_recompute_their_routing(qwen3_5, tmp_path):
+    """A recomputed chunk replays Local steps exactly: always-Local equals the request without memory pressure. With
+    Full steps in the history, bfloat16 tells them apart: the Gated DeltaNet recomputes a chunk with its chunked
+    kernel, not step by step, and stock vLLM's own always-Full output changes too after a preemption (measured: from
+    output 75 and 88 of 100; the head's scores move by ~5e-4 from the resumed step on). So for the head (whose Full
+    retry of a recomputed chunk reruns the whole row from its restored recurrent states) this checks the counts:
+    every output after the first is a routed step, decided once."""
+    pressed = run_vllm(tmp_path, "preempt", qwen3_5["folder"], preemption_batches(QWEN3_5_PREEMPT_PROMPTS, 100),
+                       oda={"head": qwen3_5["head"], "sinks": SINKS, "window": WINDOW}, max_model_len=1024,
+                       num_gpu_blocks_override=6, dtype="bfloat16", torchvision=True)[0]["outputs"]
+    free = qwen3_5["oda"]["preempt_free"]["outputs"]
+    local = PREEMPT_POLICIES.index("local")
+    assert pressed[local]["tokens"] == free[local]["tokens"]
+    assert pressed[local]["routing"]["recomputed_tokens"] > 0, "the Local request was not preempted"
+    head = PREEMPT_POLICIES.index("head")
+    assert pressed[head]["routing"]["recomputed_tokens"] > 0, "the head's request was not preempted"
+    for ours in pressed:
+        routing = ours["routing"]
+        assert len(ours["tokens"]) == 100 and routing["routed_steps"] == len(routing["decisions"]) == 99
+    assert 0 < pressed[head]["routing"]["full_calls"] < pressed[head]["routing"]["decided_steps"]
 
 
 def test_qwen3_5_always_full_equals_stock_vllm(qwen3_5):

@@ -149,7 +149,7 @@ class LocalGather:
                    layout.gather_index(blocks, offsets, values=True), valid[:, None, None, :])
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Local attention ``[T, Hq, D]`` for one query token per row; float32 arithmetic, as the reference."""
+        """Local attention ``[T, Hq, D]``, one query token per entry; float32 arithmetic, as the reference."""
         tokens, num_heads, head_dim = query.shape
         num_kv_heads = self.key_index.shape[1]
         flat = kv_cache.view(-1)
@@ -166,8 +166,9 @@ class LocalPlan:
 
     sinks: int
     window: int
-    local_tokens: torch.Tensor          # token indices that attend Local
-    local_rows: torch.Tensor            # their request rows in the step's metadata
+    local_tokens: torch.Tensor          # token indices (in this pass) that attend Local
+    local_rows: torch.Tensor            # their rows in this pass's metadata (a row may hold several Local tokens)
+    local_seq_lens: torch.Tensor        # positions each of them reads below (its own position + 1)
     native_tokens: torch.Tensor | None = None  # the other tokens, attended natively ...
     native_metadata: dict = field(default_factory=dict)  # ... with metadata built for them (layer name -> metadata)
     gathers: dict = field(default_factory=dict)  # (cache shape, metadata id) -> LocalGather, built by the first layer
@@ -213,7 +214,7 @@ class OdaAttentionImplMixin:
             layout = paged_layout(self.oda_backend_name, kv_cache, getattr(layer, "isa", None))
             rows = plan.local_rows
             gather = plan.gathers[key] = LocalGather.build(layout, attn_metadata.block_table[rows],
-                                                           attn_metadata.seq_lens[rows], plan.sinks, plan.window)
+                                                           plan.local_seq_lens, plan.sinks, plan.window)
         output[plan.local_tokens] = gather.attend(query[plan.local_tokens], kv_cache, self.scale).to(output.dtype)
         return output
 

@@ -16,6 +16,9 @@ for every decode row, the final hidden state of the branch ODA selected (ODA_SPE
    Full pass applies the step's update once, from the same state as the Local pass.
 4. ``h_prev`` of every row becomes the hidden state of its last token (prefill: Full; decode: the selected one).
 
+A preempted request comes back as a prompt chunk over its prompt and generated tokens; each generated token is
+recomputed as its routed step went, and the chunk's last token is routed as a decode step (`_replay`).
+
 Sampling, logits processors and the scheduler stay vLLM's. The routing state lives in the ODA model runner
 (`runner.OdaRunnerMixin`), which passes each step's rows to `forward` as ``oda_step``.
 """
@@ -58,7 +61,9 @@ class OdaCausalLMMixin:
         check_prefix_caching(layers, prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                              hybrid_manager=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
                              recurrent=self.oda_recurrent is not None)
-        for module in routed_layers(layers):
+        routed = routed_layers(layers)
+        self.oda_routed_names = {module.layer_name for module in routed}
+        for module in routed:
             module.impl.__class__ = oda_attention_impl_class(type(module.impl), module.attn_backend.get_name())
         for module in layers:
             module.__class__ = _prompt_only_caching_class(type(module))
@@ -79,55 +84,131 @@ class OdaCausalLMMixin:
     def _routed_forward(self, step, input_ids, positions):
         settings = self.oda_settings
         span = settings.sinks + settings.window
-        native_rows, local_rows, head_rows = [], [], []
+        local_flags, head_rows = {}, []   # row -> per token of this pass: True = attends Local; rows the head judges
         for row, state in enumerate(step.states):
-            if not step.decode[row]:
-                native_rows.append(row)
-                continue
-            decided = state.predecided(state.routed_steps + 1)
-            if step.seq_lens[row] <= span:          # Local reads the whole history: Local == Full, nothing to decide
-                native_rows.append(row)
-                state.record(False, decided_step=False)
-            elif decided is None:                   # the head decides after the Local pass
-                local_rows.append(row)
-                head_rows.append(row)
-            else:
-                (native_rows if decided else local_rows).append(row)
-                state.record(decided)
+            if step.decode[row]:
+                decided = state.predecided(state.routed_steps + 1)
+                if step.seq_lens[row] <= span:      # Local reads the whole history: Local == Full, nothing to decide
+                    state.record(False, decided_step=False)
+                elif decided is None:               # the head decides after the Local pass
+                    local_flags[row] = [True]
+                    head_rows.append(row)
+                else:
+                    state.record(decided)
+                    if not decided:
+                        local_flags[row] = [True]
+            elif step.seq_lens[row] > step.prompt_lens[row]:  # a preempted request recomputing its generated tokens
+                flags, head = self._replay(step, row, span)
+                if any(flags):
+                    local_flags[row] = flags
+                if head:
+                    head_rows.append(row)
 
         saved = self.oda_recurrent.save(head_rows) if head_rows and self.oda_recurrent is not None else None
-        if local_rows:
-            device = input_ids.device
-            plan = LocalPlan(sinks=settings.sinks, window=settings.window,
-                             local_tokens=torch.tensor([step.token_start[r] for r in local_rows], device=device),
-                             local_rows=torch.tensor(local_rows, device=device))
-            if native_rows:
-                plan.native_tokens = step.tokens_of(native_rows, device)
-                plan.native_metadata, _ = step.metadata_for(native_rows)
+        if local_flags:
+            plan = self._plan(step, [(row, step.token_start[row], step.token_count[row])
+                                     for row in range(len(step.states))], local_flags, positions.device)
             with local_plan(plan):
                 hidden = super().forward(input_ids, positions, None, None)
         else:
             hidden = super().forward(input_ids, positions, None, None)
 
         if head_rows:
-            self._decide_and_retry(step, head_rows, input_ids, positions, hidden, saved)
+            self._decide_and_retry(step, head_rows, input_ids, positions, hidden, saved, local_flags)
         for row, state in enumerate(step.states):
             last = step.token_start[row] + step.token_count[row] - 1
             state.prev_hidden = hidden[last].detach().clone()
         return hidden
 
-    def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden, saved=None):
+    def _replay(self, step, row, span) -> tuple[list, bool]:
+        """How each token of a recomputed chunk attends, and whether the head decides its last token.
+
+        vLLM resumes a preempted request by recomputing its KV (prompt and generated tokens) as a prompt chunk.
+        Recomputed with Full attention, the generated tokens would get KV that no Local step wrote, and the request
+        would continue differently from one that was never preempted. So each generated token is recomputed the way
+        its routed step went (its recorded decision: Local, or Full and native), and the chunk's last token, when it
+        yields a new token, is a new routed step, routed as a decode step is."""
+        state = step.states[row]
+        prompt, first, count = step.prompt_lens[row], step.computed[row], step.token_count[row]
+        flags, head = [], False
+        for i in range(count):
+            position = first + i
+            if position < prompt:
+                flags.append(False)
+                continue
+            routed_step = position - prompt + 1        # the token at this position was that step's input
+            if routed_step <= state.routed_steps:
+                flags.append(not state.decisions[routed_step - 1] and position + 1 > span)
+                state.recomputed_tokens += 1
+                continue
+            if routed_step != state.routed_steps + 1 or i != count - 1 or not step.samples[row]:
+                raise RuntimeError(f"ODA internal error: a recomputed chunk reaches routed step {routed_step} of a "
+                                   f"request that has made {state.routed_steps}.")
+            decided = state.predecided(routed_step)
+            if position + 1 <= span:
+                state.record(False, decided_step=False)
+                flags.append(False)
+            elif decided is None:
+                flags.append(True)
+                head = True
+            else:
+                state.record(decided)
+                flags.append(not decided)
+        return flags, head
+
+    def _plan(self, step, segments, local_flags, device) -> LocalPlan:
+        """The `LocalPlan` of a pass over `segments` ``(row, first token, tokens)``, concatenated in that order;
+        `local_flags`: row -> per token of its segment, True where it attends Local (a row not in it: natively).
+
+        Runs of native tokens become causal segments with their own metadata, single-token ones first (as vLLM orders
+        decode rows before prompt chunks); every Local token reads the sinks and window below its own position."""
+        native, local_tokens, local_rows, local_seq_lens = [], [], [], []
+        offset = 0
+        for k, (row, start, count) in enumerate(segments):
+            flags = local_flags.get(row) or [False] * count
+            first = step.computed[row] + start - step.token_start[row]   # position of the segment's first token
+            i = 0
+            while i < count:
+                if flags[i]:
+                    local_tokens.append(offset + i)
+                    local_rows.append(k)
+                    local_seq_lens.append(first + i + 1)
+                    i += 1
+                    continue
+                j = i
+                while j < count and not flags[j]:
+                    j += 1
+                single = j - i == 1 and first + i >= step.prompt_lens[row]
+                native.append((not single, (row, start + i, j - i, first + j), list(range(offset + i, offset + j))))
+                i = j
+            offset += count
+        native.sort(key=lambda entry: entry[0])   # stable: single-token segments first, each group in pass order
+        plan = LocalPlan(sinks=self.oda_settings.sinks, window=self.oda_settings.window,
+                         local_tokens=torch.tensor(local_tokens, dtype=torch.long, device=device),
+                         local_rows=torch.tensor(local_rows, dtype=torch.long, device=device),
+                         local_seq_lens=torch.tensor(local_seq_lens, dtype=torch.long, device=device))
+        if native:
+            plan.native_tokens = torch.tensor([i for _, _, index in native for i in index], dtype=torch.long,
+                                              device=device)
+            plan.native_metadata, _ = step.metadata_for([segment for _, segment, _ in native], self.oda_routed_names)
+        return plan
+
+    def _decide_and_retry(self, step, head_rows, input_ids, positions, hidden, saved=None, local_flags=None):
         head = self.oda_head
         if head is None:
             raise RuntimeError("A request asked for the recall head (oda_policy head or budget) from an engine served "
                                "without one. Build the engine with oda_hf.vllm.engine_args(base, head=...) or `oda "
                                "serve`: they serve the head, and an engine they start without one refuses such "
                                "requests at admission.")
-        tokens = torch.tensor([step.token_start[r] for r in head_rows], device=hidden.device)
+        last = [step.token_start[r] + step.token_count[r] - 1 for r in head_rows]
         states = [step.states[r] for r in head_rows]
+        for row, state, token in zip(head_rows, states, last):
+            if not step.decode[row]:   # a recomputed chunk: the preceding selected state was recomputed just before
+                state.prev_hidden = hidden[token - 1].detach().clone()
         if any(state.prev_hidden is None for state in states):
             raise RuntimeError("ODA internal error: a decode row has no preceding hidden state (its prefill was not "
                                "seen by this runner).")
+        tokens = torch.tensor(last, device=hidden.device)
         with torch.no_grad():
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
@@ -139,11 +220,25 @@ class OdaCausalLMMixin:
         retry_rows = [row for row, full in zip(head_rows, recall) if full]
         if not retry_rows:
             return
-        retry_tokens = step.tokens_of(retry_rows, hidden.device)
         if saved is not None:
             saved.restore([i for i, full in enumerate(recall) if full])  # positions among head_rows
-        metadata, slots = step.metadata_for(retry_rows)
-        with _swapped_forward_context(metadata, slots):
+        # The Full pass: the retried token of each row; with recurrent states (restored to the start of the step), a
+        # recomputed chunk's whole row again, its earlier tokens as they went in the first pass.
+        segments, nested = [], {}
+        for row in retry_rows:
+            start, count = step.token_start[row], step.token_count[row]
+            if step.decode[row] or self.oda_recurrent is None:
+                segments.append((row, start + count - 1, 1))
+            else:
+                segments.append((row, start, count))
+                flags = list(local_flags[row])[:-1] + [False]   # as in the first pass, but the last token Full
+                if any(flags):
+                    nested[row] = flags
+        plan = self._plan(step, segments, nested, hidden.device) if nested else None
+        metadata, slots = step.metadata_for([(row, start, count, step.computed[row] + start - step.token_start[row]
+                                              + count) for row, start, count in segments])
+        retry_tokens = torch.cat([torch.arange(start, start + count) for _, start, count in segments]).to(hidden.device)
+        with _swapped_forward_context(metadata, slots), (local_plan(plan) if plan else contextlib.nullcontext()):
             full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)
         hidden[retry_tokens] = full_hidden
 

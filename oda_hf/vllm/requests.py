@@ -95,6 +95,7 @@ class RequestState:
     full_calls: int = 0
     decisions: list = field(default_factory=list)   # per routed step: True = Full
     scores: list = field(default_factory=list)      # per routed step: the head's q (NaN where it did not run)
+    recomputed_tokens: int = 0   # generated tokens whose KV was recomputed (as routed) after a preemption
     generator: object | None = None   # torch.Generator of a Random request (torch imported here: `oda --help` stays fast)
 
     def __post_init__(self):
@@ -141,7 +142,7 @@ class RequestState:
         return {"policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": self.routed_steps,
                 "decided_steps": self.decided_steps, "full_calls": self.full_calls,
                 "full_call_rate": self.full_calls / self.decided_steps if self.decided_steps else 0.0,
-                "decisions": list(self.decisions),
+                "decisions": list(self.decisions), "recomputed_tokens": self.recomputed_tokens,
                 # JSON has no NaN: None where the head did not run
                 "scores": [None if math.isnan(score) else score for score in self.scores]}
 

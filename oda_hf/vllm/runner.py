@@ -9,7 +9,7 @@ keeps each request's `RequestState` (``h_prev``, knobs, counts) and keeps the co
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,11 +26,18 @@ class OdaStep:
     seq_lens: list             # cached positions per row after this step
     decode: list               # the row is a decode step (one token, past its prompt)
     states: list               # RequestState per row
-    metadata_for: Callable | None  # rows -> (attention metadata per layer, KV-write slots per layer)
+    metadata_for: Callable | None  # segments -> (attention metadata per layer, KV-write slots per layer)
+    computed: list = field(default_factory=list)     # positions cached before this step, per row
+    prompt_lens: list = field(default_factory=list)  # prompt tokens per row
+    samples: list = field(default_factory=list)      # the row's last token yields a new token (not a partial chunk)
 
     def tokens_of(self, rows, device) -> torch.Tensor:
         return torch.cat([torch.arange(self.token_start[r], self.token_start[r] + self.token_count[r])
                           for r in rows]).to(device)
+
+    def whole(self, rows) -> list:
+        """`rows` as segments ``(row, first token, tokens, seq_len)`` covering all their tokens this step."""
+        return [(r, self.token_start[r], self.token_count[r], self.seq_lens[r]) for r in rows]
 
 
 class OdaRunnerMixin:
@@ -82,7 +89,7 @@ class OdaRunnerMixin:
         starts = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         default = self.oda_model.oda_settings.default_routing
-        counts, seq_lens, decode, states = [], [], [], []
+        counts, seq_lens, decode, states, prompt_lens, samples = [], [], [], [], [], []
         for row in range(num_reqs):
             req_id = batch.req_ids[row]
             request = self.requests[req_id]
@@ -95,13 +102,18 @@ class OdaRunnerMixin:
             seq_lens.append(computed[row] + count)
             decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
             states.append(state)
-
-        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None)
-        step.metadata_for = lambda rows: self._oda_metadata_for(step, rows, positions)
+            prompt_lens.append(request.num_prompt_tokens)
+            samples.append(computed[row] + count >= request.num_tokens)
+        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None, computed, prompt_lens, samples)
+        step.metadata_for = lambda segments, layers=None: self._oda_metadata_for(segments, positions, layers)
         return step
 
-    def _oda_metadata_for(self, step: OdaStep, rows, positions):
-        """Attention metadata and KV-write slots for the tokens of `rows` only, from each group's own builder."""
+    def _oda_metadata_for(self, segments, positions, layers=None):
+        """Attention metadata and KV-write slots for the tokens of `segments` only, from each group's own builder.
+
+        A segment ``(row, first token, tokens, seq_len)`` is a run of one row's tokens that attend causally to every
+        position below `seq_len` (a whole row, or, when a preempted request recomputes its history, part of one).
+        `layers`: build only for the groups holding these layer names (None: every group)."""
         from copy import copy
 
         from vllm.forward_context import get_forward_context
@@ -109,24 +121,26 @@ class OdaRunnerMixin:
 
         context = get_forward_context()
         num_reqs = self.input_batch.num_reqs
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        counts = torch.tensor([step.token_count[r] for r in rows], dtype=torch.int32)
-        query_start_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        rows_t = torch.tensor([segment[0] for segment in segments], dtype=torch.long)
+        counts = torch.tensor([segment[2] for segment in segments], dtype=torch.int32)
+        query_start_cpu = torch.zeros(len(segments) + 1, dtype=torch.int32)
         torch.cumsum(counts, 0, out=query_start_cpu[1:])
-        tokens = step.tokens_of(rows, "cpu")
-        seq_lens = self.seq_lens[:num_reqs][rows_t.to(self.seq_lens.device)]
-        computed = self.input_batch.num_computed_tokens_cpu_tensor[:num_reqs][rows_t]
+        tokens = torch.cat([torch.arange(start, start + count) for _, start, count, _ in segments])
+        seq_lens_cpu = torch.tensor([segment[3] for segment in segments], dtype=torch.int32)
+        computed = seq_lens_cpu - counts
         prompt = self.input_batch.num_prompt_tokens_cpu_tensor[:num_reqs][rows_t]
         device = positions.device
+        seq_lens = seq_lens_cpu.to(self.seq_lens.device)
         tokens_dev = tokens.to(device)
         metadata, slots = {}, {}
-        seq_lens_cpu = (computed + counts).to(torch.int32)
         for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if layers is not None and not layers.intersection(group.layer_names):
+                continue
             layer_slots = context.slot_mapping[group.layer_names[0]][tokens_dev]
             common = CommonAttentionMetadata(
                 query_start_loc=query_start_cpu.to(device), query_start_loc_cpu=query_start_cpu,
-                seq_lens=seq_lens, num_reqs=len(rows), num_actual_tokens=int(tokens.numel()),
-                max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                seq_lens=seq_lens, num_reqs=len(segments), num_actual_tokens=int(tokens.numel()),
+                max_query_len=int(counts.max()), max_seq_len=int(seq_lens_cpu.max()),
                 block_table_tensor=self.input_batch.block_table[gid].get_device_tensor(num_reqs)[rows_t.to(device)],
                 slot_mapping=layer_slots, causal=True, is_prefilling=computed < prompt,
                 seq_lens_cpu_upper_bound=seq_lens_cpu,  # read by the Gated DeltaNet builder
