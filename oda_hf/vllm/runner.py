@@ -31,14 +31,6 @@ class OdaStep:
     prompt_lens: list = field(default_factory=list)  # prompt tokens per row
     samples: list = field(default_factory=list)      # the row's last token yields a new token (not a partial chunk)
 
-    def tokens_of(self, rows, device) -> torch.Tensor:
-        return torch.cat([torch.arange(self.token_start[r], self.token_start[r] + self.token_count[r])
-                          for r in rows]).to(device)
-
-    def whole(self, rows) -> list:
-        """`rows` as segments ``(row, first token, tokens, seq_len)`` covering all their tokens this step."""
-        return [(r, self.token_start[r], self.token_count[r], self.seq_lens[r]) for r in rows]
-
 
 class OdaRunnerMixin:
     """Mixed in before vLLM's V1 model runner class (CPU or GPU)."""
