@@ -126,8 +126,8 @@ class OdaCausalLMMixin:
         vLLM resumes a preempted request by recomputing its KV (prompt and generated tokens) as a prompt chunk.
         Recomputed with Full attention, the generated tokens would get KV that no Local step wrote, and the request
         would continue differently from one that was never preempted. So each generated token is recomputed the way
-        its routed step went (its recorded decision: Local, or Full and native), and the chunk's last token, when it
-        yields a new token, is a new routed step, routed as a decode step is."""
+        its routed step went (its recorded decision: Local, or Full and native), and the newest generated token, when
+        the chunk reaches it, is a new routed step, routed as a decode step is."""
         state = step.states[row]
         prompt, first, count = step.prompt_lens[row], step.computed[row], step.token_count[row]
         flags, head = [], False
@@ -141,7 +141,8 @@ class OdaCausalLMMixin:
                 flags.append(not state.decisions[routed_step - 1] and position + 1 > span)
                 state.recomputed_tokens += 1
                 continue
-            if routed_step != state.routed_steps + 1 or i != count - 1 or not step.samples[row]:
+            # Only the newest generated token lies past the recorded steps, and nothing comes after it.
+            if routed_step != state.routed_steps + 1 or i != count - 1:
                 raise RuntimeError(f"ODA internal error: a recomputed chunk reaches routed step {routed_step} of a "
                                    f"request that has made {state.routed_steps}.")
             decided = state.predecided(routed_step)

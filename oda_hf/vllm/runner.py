@@ -29,7 +29,6 @@ class OdaStep:
     metadata_for: Callable | None  # segments -> (attention metadata per layer, KV-write slots per layer)
     computed: list = field(default_factory=list)     # positions cached before this step, per row
     prompt_lens: list = field(default_factory=list)  # prompt tokens per row
-    samples: list = field(default_factory=list)      # the row's last token yields a new token (not a partial chunk)
 
 
 class OdaRunnerMixin:
@@ -81,7 +80,7 @@ class OdaRunnerMixin:
         starts = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         default = self.oda_model.oda_settings.default_routing
-        counts, seq_lens, decode, states, prompt_lens, samples = [], [], [], [], [], []
+        counts, seq_lens, decode, states, prompt_lens = [], [], [], [], []
         for row in range(num_reqs):
             req_id = batch.req_ids[row]
             request = self.requests[req_id]
@@ -95,8 +94,7 @@ class OdaRunnerMixin:
             decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
             states.append(state)
             prompt_lens.append(request.num_prompt_tokens)
-            samples.append(computed[row] + count >= request.num_tokens)
-        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None, computed, prompt_lens, samples)
+        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None, computed, prompt_lens)
         step.metadata_for = lambda segments, layers=None: self._oda_metadata_for(segments, positions, layers)
         return step
 
