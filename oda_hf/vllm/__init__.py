@@ -57,8 +57,8 @@ def _register_config_hooks() -> None:
     """Give every ODA architecture vLLM's config hook of its base architecture, which vLLM finds by architecture name
     (e.g. Qwen3.5's: the recurrent state's dtype from the checkpoint and one-dimensional rotary positions), so an
     engine configured by hand (``hf_overrides`` naming an ODA class) is configured as `engine_args` configures it.
-    The hook also records whether the engine serves a head, so that admission refuses head requests to a headless
-    engine however it was built (`settings.note_served_head_from_config`) instead of failing inside a model step."""
+    The hook also records whether the engine serves a head (`settings.note_served_head`), so that admission refuses
+    head requests to a headless engine however it was built, instead of failing inside a model step."""
     try:
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
     except ImportError:  # another vLLM layout: engine_args still applies the base's settings itself

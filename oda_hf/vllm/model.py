@@ -167,7 +167,7 @@ class OdaCausalLMMixin:
         offset = 0
         for k, (row, start, count) in enumerate(segments):
             flags = local_flags.get(row) or [False] * count
-            first = step.computed[row] + start - step.token_start[row]   # position of the segment's first token
+            first = step.position(row, start)
             i = 0
             while i < count:
                 if flags[i]:
@@ -180,7 +180,7 @@ class OdaCausalLMMixin:
                 while j < count and not flags[j]:
                     j += 1
                 single = j - i == 1 and first + i >= step.prompt_lens[row]
-                native.append((not single, (row, start + i, j - i, first + j), list(range(offset + i, offset + j))))
+                native.append((not single, (row, start + i, j - i, first + j), (offset + i, offset + j)))
                 i = j
             offset += count
         native.sort(key=lambda entry: entry[0])   # stable: single-token segments first, each group in pass order
@@ -189,8 +189,7 @@ class OdaCausalLMMixin:
                          local_rows=torch.tensor(local_rows, dtype=torch.long, device=device),
                          local_seq_lens=torch.tensor(local_seq_lens, dtype=torch.long, device=device))
         if native:
-            plan.native_tokens = torch.tensor([i for _, _, index in native for i in index], dtype=torch.long,
-                                              device=device)
+            plan.native_tokens = torch.cat([torch.arange(a, b) for _, _, (a, b) in native]).to(device)
             plan.native_metadata, _ = step.metadata_for([segment for _, segment, _ in native], self.oda_routed_names)
         return plan
 
@@ -236,8 +235,8 @@ class OdaCausalLMMixin:
                 if any(flags):
                     nested[row] = flags
         plan = self._plan(step, segments, nested, hidden.device) if nested else None
-        metadata, slots = step.metadata_for([(row, start, count, step.computed[row] + start - step.token_start[row]
-                                              + count) for row, start, count in segments])
+        metadata, slots = step.metadata_for([(row, start, count, step.position(row, start) + count)
+                                             for row, start, count in segments])
         retry_tokens = torch.cat([torch.arange(start, start + count) for _, start, count in segments]).to(hidden.device)
         with _swapped_forward_context(metadata, slots), (local_plan(plan) if plan else contextlib.nullcontext()):
             full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)

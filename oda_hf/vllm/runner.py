@@ -9,7 +9,7 @@ keeps each request's `RequestState` (``h_prev``, knobs, counts) and keeps the co
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -26,9 +26,13 @@ class OdaStep:
     seq_lens: list             # cached positions per row after this step
     decode: list               # the row is a decode step (one token, past its prompt)
     states: list               # RequestState per row
-    metadata_for: Callable | None  # segments -> (attention metadata per layer, KV-write slots per layer)
-    computed: list = field(default_factory=list)     # positions cached before this step, per row
-    prompt_lens: list = field(default_factory=list)  # prompt tokens per row
+    computed: list             # positions cached before this step, per row
+    prompt_lens: list          # prompt tokens per row
+    metadata_for: Callable | None = None  # segments -> (attention metadata per layer, KV-write slots per layer)
+
+    def position(self, row: int, token: int) -> int:
+        """The sequence position of flat token index `token`, one of `row`'s tokens this step."""
+        return self.computed[row] + token - self.token_start[row]
 
 
 class OdaRunnerMixin:
@@ -94,7 +98,7 @@ class OdaRunnerMixin:
             decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
             states.append(state)
             prompt_lens.append(request.num_prompt_tokens)
-        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, None, computed, prompt_lens)
+        step = OdaStep(starts[:-1], counts, seq_lens, decode, states, computed, prompt_lens)
         step.metadata_for = lambda segments, layers=None: self._oda_metadata_for(segments, positions, layers)
         return step
 
