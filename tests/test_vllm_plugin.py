@@ -719,17 +719,26 @@ HAND_CONFIG_PROBE = """
 import json, os, sys
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from oda_hf.vllm.settings import check_engine_features
 from oda_hf.vllm.validator import OdaRequestValidator
 oda = {"head": sys.argv[2] or None, "sinks": 4, "window": 16}
-config = EngineArgs(model=sys.argv[1], hf_overrides={"architectures": ["OdaQwen3_5ForCausalLM"], "oda": oda},
-                    dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True).create_engine_config()
+def engine_config(**settings):
+    return EngineArgs(model=sys.argv[1], hf_overrides={"architectures": ["OdaQwen3_5ForCausalLM"], "oda": oda},
+                      dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True, **settings).create_engine_config()
+config = engine_config()
 try:
     OdaRequestValidator.validate_params(SamplingParams(extra_args={"oda_policy": "head"}))
     admitted = "admitted"
 except ValueError as err:
     admitted = str(err)
+check_engine_features(config)   # what the model checks at engine start, on vLLM's own config objects
+try:
+    check_engine_features(engine_config(kv_cache_dtype="fp8"))
+    fp8 = "served"
+except ValueError as err:
+    fp8 = str(err)
 print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model_config.hf_text_config.rope_parameters),
-                  admitted]))
+                  admitted, fp8]))
 """
 
 
@@ -738,7 +747,9 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     """`hf_overrides` naming an ODA class, without `engine_args` (README's hand-started server): vLLM's config hook of
     the base architecture runs (Qwen3.5: the checkpoint's recurrent-state dtype, M-RoPE fields dropped for the text
     model), and admission knows whether the engine has a head (a head request to a headless one is refused before
-    it reaches a model step, where it would stop the engine)."""
+    it reaches a model step, where it would stop the engine). The engine-start check refuses a quantized KV cache
+    from vLLM's own config: measured before, with kv_cache_dtype="fp8" on the CPU build, always-Local read the
+    kernels' quantized bytes as numbers (tokens unlike stock vLLM's from the second on, exit 0)."""
     config = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
@@ -755,8 +766,9 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     proc = subprocess.run([VLLM_PYTHON, "-c", HAND_CONFIG_PROBE, str(tmp_path), "/heads/h" if with_head else ""],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dtype, rope, admitted = json.loads(proc.stdout.strip().splitlines()[-1])
+    dtype, rope, admitted, fp8 = json.loads(proc.stdout.strip().splitlines()[-1])
     assert dtype == "float32" and rope == ["partial_rotary_factor", "rope_theta", "rope_type"]
+    assert "ODA does not serve with a quantized KV cache (kv_cache_dtype='fp8')" in fp8
     if with_head:
         assert admitted == "admitted"
     else:

@@ -356,19 +356,27 @@ def test_engine_args_refuse_speculative_decoding():
         engine_args("any-folder", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
+def test_engine_args_refuse_a_quantized_kv_cache():
+    with pytest.raises(ValueError, match="quantized KV cache \\(kv_cache_dtype='fp8'\\).*kv_cache_dtype='auto'"):
+        engine_args("any-folder", kv_cache_dtype="fp8")
+
+
 def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
     from types import SimpleNamespace
 
     from oda_hf.vllm.settings import check_engine_features
 
-    def config(speculative=None, stages=1, prompt_embeds=False):
+    def config(speculative=None, stages=1, prompt_embeds=False, cache_dtype="auto"):
         return SimpleNamespace(speculative_config=speculative,
                                parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
-                               model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds))
+                               model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds),
+                               cache_config=SimpleNamespace(cache_dtype=cache_dtype))
 
-    check_engine_features(config())
+    for fine in ("auto", "bfloat16", "float32"):
+        check_engine_features(config(cache_dtype=fine))
     for bad, message in ((config(speculative={"method": "ngram"}), "speculative decoding"),
                          (config(stages=2), "pipeline_parallel_size=2"),
-                         (config(prompt_embeds=True), "without enable_prompt_embeds")):
+                         (config(prompt_embeds=True), "without enable_prompt_embeds"),
+                         (config(cache_dtype="fp8_e5m2"), "quantized KV cache .kv_cache_dtype='fp8_e5m2'")):
         with pytest.raises(ValueError, match=message):
             check_engine_features(bad)

@@ -120,9 +120,10 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     they are the engine's defaults, and a request may choose its own policy and threshold (``extra_args``).
     """
     from ..known_models import resolve_base
-    from .settings import ServingSettings, check_no_speculative_decoding, note_served_head
+    from .settings import ServingSettings, check_no_speculative_decoding, check_unquantized_kv_cache, note_served_head
 
     check_no_speculative_decoding(vllm_kwargs.get("speculative_config"))
+    check_unquantized_kv_cache(vllm_kwargs.get("kv_cache_dtype"))
     folder = os.path.abspath(os.fspath(resolve_base(base)))
     settings = ServingSettings.resolve(head, sinks, window, threshold, policy)
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner

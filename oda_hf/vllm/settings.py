@@ -50,10 +50,25 @@ def check_no_speculative_decoding(speculative_config) -> None:
                          "attention whatever the policy). Start the engine without speculative_config.")
 
 
+# KV-cache dtypes that store keys and values as plain floating-point numbers, which Local reads as they are.
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+def check_unquantized_kv_cache(cache_dtype) -> None:
+    """ValueError for a quantized KV cache (``kv_cache_dtype="fp8"`` and kin): vLLM's kernels store it in their own
+    packed format with per-layer scales, which ODA's Local attention (a gather from the paged cache) does not decode,
+    so every Local step would attend to wrong keys and values while the engine ran on."""
+    if cache_dtype is not None and str(cache_dtype) not in UNQUANTIZED_KV_CACHE_DTYPES:
+        raise ValueError(f"ODA does not serve with a quantized KV cache (kv_cache_dtype={cache_dtype!r}): its Local "
+                         "attention reads keys and values straight from the paged cache and does not decode the "
+                         "kernels' quantized format. Start the engine with kv_cache_dtype='auto'.")
+
+
 def check_engine_features(vllm_config) -> None:
     """ValueError at engine start for what ODA's routed step cannot serve, rather than at the first request that
-    needs it, where the error would stop the engine with every request in it."""
+    needs it, where the error would stop the engine with every request in it, or than serving wrong tokens."""
     check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
+    check_unquantized_kv_cache(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None))
     stages = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
     if stages and stages > 1:
         raise ValueError(f"ODA serves on one pipeline stage (pipeline_parallel_size={stages}): the routed step needs "
