@@ -557,6 +557,55 @@ def test_speculative_decoding_is_refused_at_engine_start(tmp_path):
     assert "ODA does not serve with speculative decoding" in (tmp_path / "speculative.log").read_text()
 
 
+def save_lora_adapter(folder, model, rank: int = 8) -> None:
+    """A random PEFT LoRA adapter on the attention projections of `model` (vLLM loads it by folder)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    weights = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("q_proj", "v_proj", "o_proj"):
+            linear = getattr(layer.self_attn, name)
+            key = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, linear.in_features) * 0.3
+            weights[f"{key}.lora_B.weight"] = torch.randn(linear.out_features, rank) * 0.3
+    os.makedirs(folder, exist_ok=True)
+    save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "task_type": "CAUSAL_LM",
+                   "target_modules": ["q_proj", "v_proj", "o_proj"]}, f)
+
+
+def test_lora_adapters_apply_in_the_full_retry_of_a_mixed_batch(tmp_path):
+    """vLLM's LoRA layers take one adapter index per token of a pass, set for the step's whole batch; the Full retry
+    is a pass over a sub-batch. Measured before the fix (a Local row without an adapter, then a head row with one):
+    the engine died in the retry (a mapping of 2 tokens for 1). Now the retry maps its own tokens: a head request that
+    retries every decided step (threshold far below any score) equals the same request served Full natively, beside
+    rows without the adapter, and a head request at threshold 0 equals itself served alone."""
+    folder, adapter = str(tmp_path / "model"), str(tmp_path / "adapter")
+    model = build_model(folder, heads=4, kv_heads=2)
+    save_lora_adapter(adapter, model)
+    lora = ["adapter", 1, adapter]
+    ids, other = prompt(150, seed=31), prompt(60, seed=32)
+
+    def with_lora(req):
+        return {**req, "lora": lora}
+
+    mixed = [request(other, 16, policy="local"), with_lora(request(ids, 16, policy="head", threshold=-1e9)),
+             with_lora(request(ids, 16, policy="full")), request(ids, 16, policy="full"),
+             with_lora(request(ids, 16, policy="head", threshold=0.0)), request(other, 16, policy="head", threshold=0.0)]
+    alone = [with_lora(request(ids, 16, policy="head", threshold=0.0))]
+    out = run_vllm(tmp_path, "lora", folder, [mixed, alone], oda={"head": os.path.join(folder, "head"),
+                   "sinks": SINKS, "window": WINDOW}, enable_lora=True, max_lora_rank=8, max_loras=2)
+    rows, single = out[0]["outputs"], out[1]["outputs"][0]
+    assert rows[2]["tokens"] != rows[3]["tokens"], "the adapter changed nothing: the test would see nothing"
+    assert rows[1]["tokens"] == rows[2]["tokens"]
+    assert rows[1]["routing"]["full_calls"] == rows[1]["routing"]["routed_steps"] == 15
+    assert rows[4]["tokens"] == single["tokens"]
+    assert rows[4]["routing"]["decisions"] == single["routing"]["decisions"]
+    assert 0 < rows[4]["routing"]["full_calls"] < rows[4]["routing"]["routed_steps"], "the head did not mix"
+
+
 # -- Qwen3.5: Gated DeltaNet linear attention beside full attention ---------------------------------------------
 # vLLM's CPU kernels for Gated DeltaNet run only in bfloat16 with head dim 128, so this model is bfloat16 and its
 # checks against the Transformers path compare tokens and decisions, not logprobs to 1e-4.

@@ -3,7 +3,8 @@
 Run by tests/test_vllm_plugin.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
 own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
 or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true),
-"sampling": {"temperature": t, "top_p": p, "seed": s, "n": n} (default greedy)}, ...], ...]}``. Each
+"sampling": {"temperature": t, "top_p": p, "seed": s, "n": n} (default greedy), "lora": [name, id, folder] (default
+none)}, ...], ...]}``. Each
 batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) records its error and the next batch runs
 on the same engine.
 """
@@ -18,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     from oda_hf.vllm import engine_args, routing_stats
 
@@ -34,7 +36,9 @@ def main(spec_path: str, out_path: str) -> None:
                                  **(req.get("sampling") or {"temperature": 0.0}))
                   for req in batch]
         try:
-            outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False)
+            loras = [LoRARequest(*req["lora"]) if req.get("lora") else None for req in batch]
+            outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False,
+                                   lora_request=loras if any(loras) else None)
         except Exception as err:  # a rejected request: recorded, and the engine must go on serving
             results.append({"error": f"{type(err).__name__}: {err}"})
             continue

@@ -209,7 +209,7 @@ class OdaCausalLMMixin:
             raise RuntimeError("ODA internal error: a decode row has no preceding hidden state (its prefill was not "
                                "seen by this runner).")
         tokens = torch.tensor(last, device=hidden.device)
-        with torch.no_grad():
+        with torch.no_grad(), step.sub_batch_loras([(row, token, 1) for row, token in zip(head_rows, last)]):
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
         thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
@@ -238,7 +238,8 @@ class OdaCausalLMMixin:
         metadata, slots = step.metadata_for([(row, start, count, step.position(row, start) + count)
                                              for row, start, count in segments])
         retry_tokens = torch.cat([torch.arange(start, start + count) for _, start, count in segments]).to(hidden.device)
-        with _swapped_forward_context(metadata, slots), (local_plan(plan) if plan else contextlib.nullcontext()):
+        with _swapped_forward_context(metadata, slots), step.sub_batch_loras(segments), \
+                (local_plan(plan) if plan else contextlib.nullcontext()):
             full_hidden = super().forward(input_ids[retry_tokens], positions[retry_tokens], None, None)
         hidden[retry_tokens] = full_hidden
 

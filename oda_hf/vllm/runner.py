@@ -8,6 +8,7 @@ keeps each request's `RequestState` (``h_prev``, knobs, counts) and keeps the co
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,12 @@ class OdaStep:
     computed: list             # positions cached before this step, per row
     prompt_lens: list          # prompt tokens per row
     metadata_for: Callable | None = None  # segments -> (attention metadata per layer, KV-write slots per layer)
+    loras_for: Callable | None = None     # segments -> context in which LoRA layers map a sub-batch's tokens
+
+    def sub_batch_loras(self, segments):
+        """The context of a pass over `segments` ``(row, first token, tokens)`` only: with LoRA adapters served, each
+        token of the sub-batch gets its own request's adapter (the step's mapping covers the whole batch)."""
+        return self.loras_for(segments) if self.loras_for is not None else contextlib.nullcontext()
 
     def position(self, row: int, token: int) -> int:
         """The sequence position of flat token index `token`, one of `row`'s tokens this step."""
@@ -100,7 +107,26 @@ class OdaRunnerMixin:
             prompt_lens.append(request.num_prompt_tokens)
         step = OdaStep(starts[:-1], counts, seq_lens, decode, states, computed, prompt_lens)
         step.metadata_for = lambda segments, layers=None: self._oda_metadata_for(segments, positions, layers)
+        if getattr(self, "lora_config", None):
+            step.loras_for = lambda segments: self._oda_sub_batch_loras(segments, counts)
         return step
+
+    @contextlib.contextmanager
+    def _oda_sub_batch_loras(self, segments, step_counts):
+        """vLLM's LoRA layers read one adapter index per token of the pass, set for the whole step's batch; a pass over
+        a sub-batch (the Full retry) maps its own tokens to their requests' adapters, then the step's mapping comes
+        back (the logits are computed after the model's forward, under it)."""
+        import numpy as np
+
+        mapping = self.input_batch.request_lora_mapping[: self.input_batch.num_reqs]
+        rows = np.array([segment[0] for segment in segments])
+        tokens = np.array([segment[2] for segment in segments])
+        requests = set(self.input_batch.lora_id_to_lora_request.values())
+        self._set_active_loras(tuple(mapping[rows]), tuple(mapping[rows].repeat(tokens)), requests)
+        try:
+            yield
+        finally:
+            self.set_active_loras(self.input_batch, np.array(step_counts, dtype=np.int32))
 
     def _oda_metadata_for(self, segments, positions, layers=None):
         """Attention metadata and KV-write slots for the tokens of `segments` only, from each group's own builder.
