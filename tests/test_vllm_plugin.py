@@ -181,8 +181,6 @@ def gqa3(tmp_path_factory):
         "preempt_free": preemption_batches(PREEMPT_PROMPTS, 60)[0],
     }
     order = list(batches)
-    stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
-    stock = run_vllm(tmp, "stock", folder, [batches["full"], stock_sampled], oda=None)
     oda = run_vllm(tmp, "oda", folder, [batches[name] for name in order],
                    oda={"head": head, "sinks": SINKS, "window": WINDOW})
     results = dict(zip(order, oda))
@@ -192,9 +190,12 @@ def gqa3(tmp_path_factory):
     follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")], [request(extended,
                       policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW},
                       enable_prefix_caching=True)
-    cold = run_vllm(tmp, "stock_cold", folder, [[request(extended, logprobs=1)]], oda=None)
+    # stock vLLM: the Full batch, seeded samples, and the extension read cold (its engine has no prefix cache)
+    stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
+    stock = run_vllm(tmp, "stock", folder, [batches["full"], stock_sampled, [request(extended, logprobs=1)]],
+                     oda=None, enable_prefix_caching=False)
     return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], stock_sampled=stock[1],
-                oda=results, follow=follow, cold=cold[0])
+                oda=results, follow=follow, cold=stock[2])
 
 
 def test_always_full_equals_stock_vllm(gqa3):
@@ -424,7 +425,8 @@ def test_openai_server_with_oda(gqa3, tmp_path):
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):
     """A KV space of 12 blocks for 4 requests that need 7 each forces vLLM to preempt; V1 then recomputes the prompt
-    and the generated tokens as one prompt chunk. Measured before ODA replayed it: recomputed with Full attention,
+    and the generated tokens as a prompt, here in chunks of at most 48 tokens (max_num_batched_tokens), so a chunk
+    may start and end inside the generated tokens. Measured before ODA replayed it: recomputed with Full attention,
     always-Local requests diverged from unpreempted ones (first at output 32 and 61 of 150) and the resumed step
     was not routed. Now each generated token is recomputed as its step went (Local or Full) and the resumed step is
     routed: every policy gives the tokens and decisions of the same requests without memory pressure, and the
@@ -432,7 +434,8 @@ def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):
     folder = os.path.dirname(gqa3["head"])
     oda = {"head": gqa3["head"], "sinks": SINKS, "window": WINDOW}
     pressed = run_vllm(tmp_path, "preempt", folder, preemption_batches(PREEMPT_PROMPTS, 60), oda=oda,
-                       max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4)[0]["outputs"]
+                       max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4,
+                       max_num_batched_tokens=48)[0]["outputs"]
     check_preempted_equals_unpressed(pressed, gqa3["oda"]["preempt_free"]["outputs"], 60)
     assert 0 < pressed[2]["routing"]["full_calls"] < pressed[2]["routing"]["decided_steps"], "the head never mixed"
     for ids, policy, ours in zip(PREEMPT_PROMPTS, ["full", "local", None, RandomPolicy(0.5, seed=3)], pressed):
