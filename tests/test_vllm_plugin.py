@@ -655,7 +655,10 @@ def qwen3_5(tmp_path_factory):
 
 # Qwen3.5's attention blocks hold 544 tokens here (vLLM sizes them to the recurrent states' pages), so preemption
 # needs requests that cross a block: 4 of 600 tokens in 6 blocks.
-QWEN3_5_PREEMPT_PROMPTS = [prompt(500, seed=400 + i) for i in range(4)]
+# vLLM sizes a hybrid's attention blocks to the Gated DeltaNet state's page (288 tokens here), so 6 KV blocks give 3 per
+# group: 250-token prompts start in one block each and need a second one at token 289, which forces preemption
+# (prompts of 500 needed 2-3 blocks each and only queued, never preempted).
+QWEN3_5_PREEMPT_PROMPTS = [prompt(250, seed=400 + i) for i in range(4)]
 
 
 def test_qwen3_5_preempted_requests_recompute_their_routing(qwen3_5, tmp_path):
