@@ -10,6 +10,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pyproject's addopts run the tests on two pytest-xdist workers, a file per worker. Two workers with two intra-op
+# threads each would oversubscribe CI's 2 cores (OpenMP threads spin while they wait), so each worker computes on one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vLLM plugin's file first: with ``--dist loadfile --no-loadscope-reorder`` files go to the workers in
+    collection order, and this one (about twenty vLLM engine starts) takes longer than all other files together, so
+    one worker runs it while the other runs everything else."""
+    items.sort(key=lambda item: item.path.name != "test_vllm_plugin.py")
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -82,10 +82,15 @@ def _vllm_has_torchvision() -> bool:
 
 
 def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | None, torchvision: bool = False,
-             **engine) -> list:
+             one_process: bool = True, **engine) -> list:
     """`torchvision`: the model's vLLM module imports torchvision (Qwen3.5); without a working one in the vLLM
-    environment, the test stand-in `tests/vllm_stubs` is put on the path (see its README)."""
-    spec = {"engine": {"model": model_folder, **ENGINE, **engine}, "oda": oda, "batches": batches}
+    environment, the test stand-in `tests/vllm_stubs` is put on the path (see its README).
+
+    `one_process`: the engine core and worker run inside the driver's process (half of each engine's start-up time
+    on CI's machine). The first ODA engine of each model family passes False: engine core and worker in processes of
+    their own, as `LLM` and `oda serve` run them for users."""
+    spec = {"engine": {"model": model_folder, **ENGINE, **engine}, "oda": oda, "batches": batches,
+            "one_process": one_process}
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     path = [REPO]
@@ -182,7 +187,7 @@ def gqa3(tmp_path_factory):
     }
     order = list(batches)
     oda = run_vllm(tmp, "oda", folder, [batches[name] for name in order],
-                   oda={"head": head, "sinks": SINKS, "window": WINDOW})
+                   oda={"head": head, "sinks": SINKS, "window": WINDOW}, one_process=False)
     results = dict(zip(order, oda))
     # prefix reuse: a request whose prompt extends an earlier ODA request's prompt and Local output
     first = results["local"]["outputs"][6]["tokens"]
@@ -472,7 +477,7 @@ def gemma3(tmp_path_factory):
     tmp, folder, model, head, long = served_model(tmp_path_factory, "vllm_gemma3", build_gemma3, prompt_seed=11)
     batches = {**edge_batches(long), "preempt_free": preemption_batches(GEMMA_PREEMPT_PROMPTS, 150)[0]}
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
-                   enable_prefix_caching=True)
+                   enable_prefix_caching=True, one_process=False)
     results = dict(zip(batches, oda))
     # a prompt that extends a Local request's prompt and output: only the prompt's blocks may be reused
     extended = long[6] + results["local"]["outputs"][6]["tokens"] + prompt(5, seed=98)
@@ -647,7 +652,7 @@ def qwen3_5(tmp_path_factory):
                "preempt_free": preemption_batches(QWEN3_5_PREEMPT_PROMPTS, 100)[0]}
     engine = dict(dtype="bfloat16", torchvision=True)
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
-                   **engine)
+                   one_process=False, **engine)
     stock = run_vllm(tmp, "stock", folder, [batches["full"]], oda=None, enable_prefix_caching=False, **engine)
     return dict(model=model, head=head, long=long, oda=dict(zip(batches, oda)), stock=stock[0], tmp=tmp,
                 folder=folder)
