@@ -16,11 +16,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# Each starts about ten vLLM engines: together they take longer than all other files.
+VLLM_FILES = ("test_vllm_plugin.py", "test_vllm_hybrids.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The vLLM plugin's file first: with ``--dist loadfile --no-loadscope-reorder`` files go to the workers in
-    collection order, and this one (about twenty vLLM engine starts) takes longer than all other files together, so
-    one worker runs it while the other runs everything else."""
-    items.sort(key=lambda item: item.path.name != "test_vllm_plugin.py")
+    """The vLLM files first: with ``--dist loadfile --no-loadscope-reorder`` files go to the workers in collection
+    order, one each to begin with, so each worker starts on one of them and the other files fill in after."""
+    items.sort(key=lambda item: VLLM_FILES.index(item.path.name) if item.path.name in VLLM_FILES else len(VLLM_FILES))
 
 
 @pytest.fixture(scope="module")

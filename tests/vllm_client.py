@@ -1,6 +1,6 @@
 """Talks to a running `oda serve` through the official openai client; prints what it saw as JSON.
 
-Run by tests/test_vllm_plugin.py with the vLLM environment's Python: ``python vllm_client.py PORT MODEL IDS_JSON``.
+Run by tests/test_vllm_plugin.py (the OpenAI server test) with the vLLM environment's Python: ``python vllm_client.py PORT MODEL IDS_JSON``.
 """
 
 import json

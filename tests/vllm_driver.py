@@ -1,6 +1,6 @@
 """Runs request batches on one vLLM engine (stock or ODA) and prints the results as JSON.
 
-Run by tests/test_vllm_plugin.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
+Run by `run_vllm` in tests/vllm_harness.py with the vLLM environment's Python (vLLM pins an older transformers than oda_hf's
 own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
 or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true),
 "sampling": {"temperature": t, "top_p": p, "seed": s, "n": n} (default greedy), "lora": [name, id, folder] (default
