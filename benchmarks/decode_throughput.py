@@ -327,6 +327,13 @@ def predicted_ratio(method: str, length: int, steps: int, ledger) -> float:
     return full / ledger.sequence_flops("oda", length, decisions)
 
 
+def job_order(lengths: list[int], methods: list[str], rounds: int) -> list[tuple[int, str, int]]:
+    """(length, method, round) in run order: odd rounds reverse every arm after the first (the stock arm that makes
+    each length's continuation runs first in every round), so slow drift of the machine's load hits every arm alike."""
+    return [(length, method, r) for r in range(rounds) for length in lengths
+            for method in (methods if r % 2 == 0 else [methods[0]] + methods[:0:-1])]
+
+
 def run_worker_subprocess(args, length: int, method: str, continuation, script: str = __file__,
                           extra: tuple[str, ...] = ()) -> dict:
     """Measure one (length, method) in a fresh `script --worker` process (clean peak memory);
@@ -429,8 +436,7 @@ def main(argv=None) -> int:
     name = model_name(args)
     bandwidth = [copy_bandwidth(args.threads, args.copy_mb << 20)]
     lengths = [int(n) for n in args.lengths.split(",")]
-    jobs = [(length, method, r) for r in range(args.rounds) for length in lengths
-            for method in (methods if r % 2 == 0 else [methods[0]] + methods[:0:-1])]
+    jobs = job_order(lengths, methods, args.rounds)
     measured: dict[tuple[int, str], list[dict]] = {}
     continuation: dict[int, list[int]] = {}
     for length, method, _ in tqdm(jobs, desc="decode benchmark", unit="run"):

@@ -206,12 +206,13 @@ def full_next_token_distribution(base, prefix, temperature):
 
 def test_sampling_gives_full_distribution():
     """Two tokens after a prompt past the window (temperature 0.2): the second is a Local draft verified by Full.
-    Over 3,000 runs, the mean log-likelihood ratio log(Full / Local) of the drawn token must be KL(Full || Local)
-    (about +0.15) within 5 standard errors; a rule that kept Local's draws would give -KL(Local || Full)."""
+    Over 1,000 runs, the mean log-likelihood ratio log(Full / Local) of the drawn token must be KL(Full || Local)
+    (+0.147) within 5 standard errors (0.084); a rule that kept Local's draws would give -KL(Local || Full) (-0.150,
+    17.7 standard errors away)."""
     model = exact_model("qwen3")
     base = model.base_model
     prompt = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(9))
-    temperature, runs = 0.2, 3000
+    temperature, runs = 0.2, 1000
     first = full_next_token_distribution(base, prompt, temperature)
     full_second, local_second = torch.zeros_like(first), torch.zeros_like(first)
     model.set_routing(policy="local")

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from tiny_models import save_word_tokenizer
-from vllm_harness import (PREEMPT_POLICIES, REPO, SINKS, SPAN, VLLM_PYTHON, VOCAB, WINDOW,
+from vllm_harness import (EAGER, PREEMPT_POLICIES, REPO, SINKS, SPAN, VLLM_PYTHON, VOCAB, WINDOW,
                           check_preempted_equals_unpressed, edge_batches, hf_generate, preemption_batches, prompt,
                           request, run_vllm, save_random_head, served_model, vllm_has_torchvision)
 
@@ -53,9 +53,9 @@ def gemma3(tmp_path_factory):
     extended = long[6] + results["local"]["outputs"][6]["tokens"] + prompt(5, seed=98)
     follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")],
                                                   [request(extended, policy="full", logprobs=1)]],
-                      oda={"head": head, "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True)
+                      oda={"head": head, "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True, **EAGER)
     stock = run_vllm(tmp, "stock", folder, [batches["full"], [request(extended, logprobs=1)]], oda=None,
-                     enable_prefix_caching=False)
+                     enable_prefix_caching=False, **EAGER)
     return dict(model=model, head=head, long=long, oda=results, follow=follow, stock=stock)
 
 
@@ -68,7 +68,7 @@ def test_gemma3_preempted_requests_continue_as_if_never_preempted(gemma3, tmp_pa
     folder = os.path.dirname(gemma3["head"])
     pressed = run_vllm(tmp_path, "preempt", folder, preemption_batches(GEMMA_PREEMPT_PROMPTS, 150),
                        oda={"head": gemma3["head"], "sinks": SINKS, "window": WINDOW}, max_model_len=352,
-                       num_gpu_blocks_override=24, enable_prefix_caching=True)[0]["outputs"]
+                       num_gpu_blocks_override=24, enable_prefix_caching=True, **EAGER)[0]["outputs"]
     check_preempted_equals_unpressed(pressed, gemma3["oda"]["preempt_free"]["outputs"], 150)
 
 

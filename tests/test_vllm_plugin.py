@@ -58,11 +58,11 @@ def gqa3(tmp_path_factory):
     extended = long[6] + first + prompt(5, seed=99)
     follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")], [request(extended,
                       policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW},
-                      enable_prefix_caching=True)
+                      enable_prefix_caching=True, **EAGER)
     # stock vLLM: the Full batch, seeded samples, and the extension read cold (its engine has no prefix cache)
     stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
     stock = run_vllm(tmp, "stock", folder, [batches["full"], stock_sampled, [request(extended, logprobs=1)]],
-                     oda=None, enable_prefix_caching=False)
+                     oda=None, enable_prefix_caching=False, **EAGER)
     return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], stock_sampled=stock[1],
                 oda=results, follow=follow, cold=stock[2])
 
@@ -304,7 +304,7 @@ def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):
     oda = {"head": gqa3["head"], "sinks": SINKS, "window": WINDOW}
     pressed = run_vllm(tmp_path, "preempt", folder, preemption_batches(PREEMPT_PROMPTS, 60), oda=oda,
                        max_model_len=256, num_gpu_blocks_override=12, max_num_seqs=4,
-                       max_num_batched_tokens=48)[0]["outputs"]
+                       max_num_batched_tokens=48, **EAGER)[0]["outputs"]
     check_preempted_equals_unpressed(pressed, gqa3["oda"]["preempt_free"]["outputs"], 60)
     assert 0 < pressed[2]["routing"]["full_calls"] < pressed[2]["routing"]["decided_steps"], "the head never mixed"
     for ids, policy, ours in zip(PREEMPT_PROMPTS, ["full", "local", None, RandomPolicy(0.5, seed=3)], pressed):
