@@ -387,24 +387,23 @@ def test_torch_cond_reaches_a_control_flow_dispatch_mode():
 TRITON_CPU = pytest.mark.skipif(not kernels_interpreted(), reason="needs Triton with TRITON_INTERPRET=1 before import")
 
 
-@pytest.mark.parametrize("family,baseline,kernels,full_dot", [
-    pytest.param("qwen3", "reference", "triton", None, marks=TRITON_CPU),
-    ("qwen3", "reference", "sdpa", None),
-    pytest.param("gemma3", "reference", "triton", None, marks=TRITON_CPU),
-    ("gemma3", "reference", "sdpa", None)])
-def test_kernel_backends_agree(family, baseline, kernels, full_dot):
-    """The direct-ring Triton kernels (interpreted on CPU; the Full kernel elementwise or with tl.dot) and the SDPA
+@pytest.mark.parametrize("family,baseline,kernels", [
+    pytest.param("qwen3", "reference", "triton", marks=TRITON_CPU),
+    ("qwen3", "reference", "sdpa"),
+    pytest.param("gemma3", "reference", "triton", marks=TRITON_CPU),
+    ("gemma3", "reference", "sdpa")])
+def test_kernel_backends_agree(family, baseline, kernels):
+    """The direct-ring Triton kernels (interpreted on CPU; the Full kernel with tl.dot, its default) and the SDPA
     backend against the PyTorch reference (Gemma 3: on its global layers, beside sliding layers and the fused commit
-    of every layer)."""
+    of every layer). The elementwise Full kernel (`full_dot=False`): test_full_dot_false_reaches_the_full_kernel."""
     model = make_model(family, policy="head")
     ids, mask = left_padded_prompts()
     runs = {}
     for backend in (baseline, kernels):
-        options = {"full_dot": full_dot} if full_dot is not None and backend == "triton" else {}
-        engine = OdaStaticEngine(model, max_length=17, batch_size=2, bucket_size=BUCKET, kernels=backend, **options)
+        engine = OdaStaticEngine(model, max_length=17, batch_size=2, bucket_size=BUCKET, kernels=backend)
         assert engine.kernels == backend
         if backend == "triton":
-            assert engine.full.use_dot == (full_dot is None)  # tl.dot unless turned off
+            assert engine.full.use_dot  # tl.dot unless turned off
         runs[backend] = (engine_generate(engine, ids, mask, max_new_tokens=8), state_copy(engine))
     assert_same(runs[baseline][0], runs[kernels][0], logits_tol=1e-5)
     for name, tensor in runs[baseline][1].items():
