@@ -31,7 +31,7 @@ SINKS, WINDOW = 4, 16
 SPAN = SINKS + WINDOW
 VOCAB = 128
 ENGINE = dict(dtype="float32", max_model_len=1024, block_size=32, seed=0, max_num_seqs=16)
-# No torch.compile warm-up (about 18 of the 44 s an in-process engine takes to start on an idle 2-core machine, 50 s
+# No torch.compile warm-up (11-18 of the 44 s an in-process engine takes to start on an idle 2-core machine, 50-75 s
 # under load): for the float32 engines other than each fixture's first ODA engine, which runs the compiled model as CPU
 # users do. Eager float32 stock vLLM matches that compiled ODA engine's always-Full logprobs within 1.5e-6 (the tests
 # ask 1e-4). The bfloat16 Qwen3.5 engines all stay compiled: there, eager and compiled differ (a logprob 1.2 apart).
