@@ -12,6 +12,7 @@ from oda_hf.vllm.attention import check_prefix_caching, local_positions, paged_l
 from oda_hf.vllm.requests import RequestRouting, RequestState, records_of, request_routing
 from oda_hf.vllm.settings import (
     SERVES_HEAD_ENV,
+    ServingSettings,
     check_request_admissible,
     note_served_head,
     note_served_head_from_config,
@@ -30,6 +31,7 @@ DEFAULT = RequestRouting(policy="head", threshold=0.2)
     ({"oda_policy": "schedule:2:16"}, RequestRouting("schedule", 0.2, k=2, period=16)),
     ({"oda_policy": "budget:0.25"}, RequestRouting("budget", 0.2, p=0.25)),
     ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 1}, RequestRouting("budget", 0.5, p=0.25)),
+    ({"odata": 1, "other_plugin_key": "x"}, RequestRouting("head", 0.2)),   # keys of other plugins are theirs
 ])
 def test_request_knobs(extra, expected):
     assert request_routing(extra, DEFAULT) == expected
@@ -49,10 +51,93 @@ def test_request_knobs(extra, expected):
     ({"oda_threshold": "high"}, "must be a number"),
     ({"oda_threshold": True}, "must be a finite number"),
     ({"oda_threshold": [1]}, "must be a finite number"),
+    ({"oda_polciy": "full"}, "Unknown ODA request key.*'oda_polciy'"),
+    ({"ODA_POLICY": "local"}, "Unknown ODA request key"),
+    ({"oda_policy ": "local"}, "Unknown ODA request key"),
+    ({"oda-threshold": 0.5, "oda_policy": "full"}, "Unknown ODA request key"),
 ])
 def test_bad_request_knobs_name_the_value(extra, message):
     with pytest.raises(ValueError, match=message):
         request_routing(extra, DEFAULT)
+
+
+def test_misspelled_knobs_are_refused_at_admission():
+    with pytest.raises(ValueError, match="spelled exactly so"):
+        check_request_admissible({"oda_threshhold": 0.9})
+
+
+@pytest.mark.parametrize("policy", ["random:0.1234567:5", "random:1e-07", "random:0.25"])
+def test_the_engine_default_reaches_the_workers_unrounded(policy):
+    """`engine_args` passes the default policy to the workers as text; its probability must read back exactly."""
+    settings = ServingSettings.resolve(policy=policy)
+    assert ServingSettings.from_override(settings.to_override()).default_routing == settings.default_routing
+
+
+def test_a_one_token_chunk_of_a_recomputed_history_is_not_a_new_step():
+    """A preempted request (prompt 10, 5 routed steps) recomputes its history in chunks; a chunk of one token that
+    was already routed replays its recorded step, only the next unrouted token is a decode step."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from oda_hf.vllm.runner import OdaRunnerMixin
+
+    state = RequestState(RequestRouting("schedule", k=1, period=2))
+    for step in range(1, 6):
+        state.record(state.predecided(step))
+    request = SimpleNamespace(num_prompt_tokens=10, sampling_params=SimpleNamespace(extra_args=None))
+
+    def decode_flag(computed, count):
+        runner = SimpleNamespace(
+            input_batch=SimpleNamespace(num_reqs=1, req_ids=["r"], num_computed_tokens_cpu=np.array([computed])),
+            query_start_loc=SimpleNamespace(cpu=torch.tensor([0, count])), requests={"r": request},
+            oda_states={"r": state}, oda_model=SimpleNamespace(oda_settings=SimpleNamespace(default_routing=DEFAULT)))
+        return OdaRunnerMixin._oda_step(runner, torch.arange(computed, computed + count)).decode
+
+    assert decode_flag(12, 1) == [False]   # the input of routed step 3, recomputed: replayed as recorded
+    assert decode_flag(14, 1) == [False]   # step 5's input, the last recorded one
+    assert decode_flag(15, 1) == [True]    # step 6: the request's next routed step
+    assert decode_flag(13, 3) == [False]   # a longer chunk reaching step 6 is replayed (its last token routed)
+    assert decode_flag(9, 1) == [False]    # the prompt's last token
+
+
+def test_a_streaming_session_routes_each_turn_afresh_and_keeps_the_counts():
+    """vLLM's streaming input: a request id's next turn comes with a longer prompt (the earlier output) and its own
+    knobs; its routing state starts over from them, its records keep the earlier turns' steps."""
+    from types import SimpleNamespace
+
+    from oda_hf.vllm.runner import OdaRunnerMixin
+
+    class Stock:   # vLLM's runner, as far as this test needs it
+        def _update_streaming_request(self, req_id, new_req_data):
+            return "vllm's request state"
+
+    runner = object.__new__(type("Runner", (OdaRunnerMixin, Stock), {}))
+    runner.oda_model = SimpleNamespace(oda_settings=SimpleNamespace(default_routing=DEFAULT))
+    first = RequestState(RequestRouting("full"), prev_hidden=torch.zeros(2))
+    for _ in range(3):
+        first.record(True)
+    runner.oda_states = {"s": first}
+    turn = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"oda_policy": "local"}))
+    assert runner._update_streaming_request("s", turn) == "vllm's request state"
+    state = runner.oda_states["s"]
+    assert state.routing == RequestRouting("local", 0.2) and state.routed_steps == 0 and state.prev_hidden is None
+    state.record(False)
+    summary = state.summary()
+    assert (summary["routed_steps"], summary["full_calls"], summary["decisions"]) == (4, 3, [True, True, True, False])
+    assert summary["full_call_rate"] == 0.75 and summary["policy"] == "local"
+
+
+def test_prefix_caching_of_a_streaming_session_stops_at_its_first_prompt():
+    from types import SimpleNamespace
+
+    from oda_hf.vllm.requests import cacheable_tokens
+
+    assert cacheable_tokens(SimpleNamespace(num_prompt_tokens=30)) == 30
+    session = SimpleNamespace(num_prompt_tokens=30, resumable=True)
+    assert cacheable_tokens(session) == 30
+    session.num_prompt_tokens = 52   # the next turn: the first turn's output (Local steps among it) is now prompt
+    assert cacheable_tokens(session) == 30
 
 
 def test_admission_refuses_head_requests_to_a_headless_server(monkeypatch):

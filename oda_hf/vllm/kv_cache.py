@@ -18,6 +18,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, Slid
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from .requests import cacheable_tokens
+
 
 @dataclass(frozen=True, kw_only=True)
 class PromptOnlyFullAttentionSpec(FullAttentionSpec):
@@ -32,7 +34,7 @@ class PromptOnlySlidingWindowSpec(SlidingWindowSpec):
 class _PromptOnlyCaching:
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries):
         # Blocks past the prompt hold decode KV (Local or Full, per step): never hash them for reuse.
-        super().cache_blocks(request, min(num_tokens, request.num_prompt_tokens), retention_interval,
+        super().cache_blocks(request, min(num_tokens, cacheable_tokens(request)), retention_interval,
                              replay_boundaries=replay_boundaries)
 
 

@@ -39,12 +39,19 @@ class RequestRouting:
     def spec(self) -> str:
         """The policy as `parse_policy` reads it (the threshold is separate)."""
         if self.policy == "random":
-            return f"random:{self.p:g}:{self.seed}"
+            return f"random:{_exact(self.p)}:{self.seed}"
         if self.policy == "schedule":
             return f"schedule:{self.k}:{self.period}"
         if self.policy == "budget":
-            return f"budget:{self.p:g}"
+            return f"budget:{_exact(self.p)}"
         return self.policy
+
+
+def _exact(value: float) -> str:
+    """`value` as text that reads back as the same float (the engine's default policy reaches the workers as text):
+    short where that is exact (0.25), every digit where not (0.1234567, not 0.123457)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _number(value, name: str) -> float:
@@ -73,9 +80,18 @@ def parse_policy(text, threshold: float) -> RequestRouting:
     return RequestRouting(policy=spec.kind, threshold=threshold, **params)
 
 
+def is_oda_key(key) -> bool:
+    """Whether a request's extra-args key is meant for ODA: ``oda_...`` in any case, with stray spaces or dashes."""
+    return isinstance(key, str) and key.strip().lower().replace("-", "_").startswith("oda_")
+
+
 def request_routing(extra_args: dict | None, default: RequestRouting) -> RequestRouting:
     """The routing a request asks for in its extra args, over the engine's `default` (ValueError if invalid)."""
     extra_args = extra_args or {}
+    misspelled = [key for key in extra_args if is_oda_key(key) and key not in KNOWN_KEYS]
+    if misspelled:  # served with the engine's default instead, it would look like ODA had ignored the request's knob
+        raise ValueError(f"Unknown ODA request key(s) {', '.join(map(repr, misspelled))}: ODA reads "
+                         f"{POLICY_KEY!r} and {THRESHOLD_KEY!r}, spelled exactly so.")
     threshold = default.threshold
     if extra_args.get(THRESHOLD_KEY) is not None:
         threshold = _number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
@@ -97,6 +113,7 @@ class RequestState:
     scores: list = field(default_factory=list)      # per routed step: the head's q (NaN where it did not run)
     recomputed_tokens: int = 0   # generated tokens whose KV was recomputed (as routed) after a preemption
     generator: object | None = None   # torch.Generator of a Random request (torch imported here: `oda --help` stays fast)
+    earlier_turns: dict | None = None  # a streaming-input session's earlier turns: their `summary`
 
     def __post_init__(self):
         if self.routing.policy == "random":
@@ -139,12 +156,26 @@ class RequestState:
         return None
 
     def summary(self) -> dict:
-        return {"policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": self.routed_steps,
-                "decided_steps": self.decided_steps, "full_calls": self.full_calls,
-                "full_call_rate": self.full_calls / self.decided_steps if self.decided_steps else 0.0,
-                "decisions": list(self.decisions), "recomputed_tokens": self.recomputed_tokens,
+        """The request's counts, decisions and scores (a streaming session's: every turn so far, the current policy)."""
+        earlier = self.earlier_turns or {}
+        routed, decided, full = (self.routed_steps + earlier.get("routed_steps", 0),
+                                 self.decided_steps + earlier.get("decided_steps", 0),
+                                 self.full_calls + earlier.get("full_calls", 0))
+        return {"policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": routed,
+                "decided_steps": decided, "full_calls": full, "full_call_rate": full / decided if decided else 0.0,
+                "decisions": earlier.get("decisions", []) + list(self.decisions),
+                "recomputed_tokens": self.recomputed_tokens + earlier.get("recomputed_tokens", 0),
                 # JSON has no NaN: None where the head did not run
-                "scores": [None if math.isnan(score) else score for score in self.scores]}
+                "scores": earlier.get("scores", []) + [None if math.isnan(score) else score for score in self.scores]}
+
+
+def cacheable_tokens(request) -> int:
+    """How many of a request's leading tokens prefix caching may share: those a Full prefill wrote, its prompt. A
+    streaming-input session (vLLM's resumable request) counts each turn's earlier output as prompt, decoded with Local
+    steps among it, so there only the first turn's prompt (remembered on the request at its first caching)."""
+    if not getattr(request, "resumable", False):
+        return request.num_prompt_tokens
+    return request.__dict__.setdefault("oda_first_prompt_tokens", request.num_prompt_tokens)
 
 
 def records_of(records: dict, request_id: str, sub_requests: bool = False) -> dict:

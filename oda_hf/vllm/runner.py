@@ -18,6 +18,14 @@ import torch
 from .requests import FINISHED_KEPT, RequestState, pooled, request_routing
 
 
+def is_decode_step(count: int, computed: int, prompt_tokens: int, state: RequestState) -> bool:
+    """Whether a row's scheduled tokens are the request's next routed step: one token, the first not yet routed.
+
+    A preempted request recomputes its prompt and generated tokens in chunks as the token budget allows, and a chunk
+    may be a single already-routed token: that one is recomputed as its step went (`_replay`), not routed again."""
+    return count == 1 and computed - prompt_tokens == state.routed_steps
+
+
 @dataclass
 class OdaStep:
     """The rows of one scheduled step, in batch order."""
@@ -73,6 +81,18 @@ class OdaRunnerMixin:
             while len(self.oda_finished) > FINISHED_KEPT:
                 self.oda_finished.popitem(last=False)
 
+    def _update_streaming_request(self, req_id, new_req_data):
+        # The next turn of a streaming-input session (vLLM's resumable requests: one request id, turn after turn). Its
+        # prompt now begins with the earlier turns' output and it brings its own sampling params, so routing starts
+        # afresh (the turn's knobs, steps counted from its prompt); the earlier turns' counts stay in its records.
+        earlier = getattr(self, "oda_states", {}).pop(req_id, None)
+        req_state = super()._update_streaming_request(req_id, new_req_data)
+        if earlier is not None:
+            extra = getattr(new_req_data.sampling_params, "extra_args", None)
+            routing = request_routing(extra, self.oda_model.oda_settings.default_routing)
+            self.oda_states[req_id] = RequestState(routing, earlier_turns=earlier.summary())
+        return req_state
+
     def oda_routing_stats(self) -> dict:
         """Counts per engine request id (finished and running) and the pooled Full-call rate over them."""
         return pooled({**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}})
@@ -102,7 +122,7 @@ class OdaRunnerMixin:
             count = starts[row + 1] - starts[row]
             counts.append(count)
             seq_lens.append(computed[row] + count)
-            decode.append(count == 1 and computed[row] >= request.num_prompt_tokens)
+            decode.append(is_decode_step(count, computed[row], request.num_prompt_tokens, state))
             states.append(state)
             prompt_lens.append(request.num_prompt_tokens)
         step = OdaStep(starts[:-1], counts, seq_lens, decode, states, computed, prompt_lens)

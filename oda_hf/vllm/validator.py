@@ -1,15 +1,15 @@
 """The request check vLLM runs at admission: a logits processor that changes nothing but validates ODA's knobs.
 
 Registered under vLLM's ``vllm.logits_processors`` entry point, so ``vllm serve`` and ``vllm.LLM`` load it with the
-plugin; a request with a bad ``oda_policy`` / ``oda_threshold``, or one asking for the head from a server without
-one, fails alone (HTTP 400 / ``ValueError``).
+plugin; a request with a bad ``oda_policy`` / ``oda_threshold``, a misspelled ``oda_`` key, or one asking for the
+head from a server without one, fails alone (HTTP 400 / ``ValueError``).
 """
 
 from __future__ import annotations
 
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from .requests import KNOWN_KEYS
+from .requests import is_oda_key
 from .settings import check_request_admissible
 
 
@@ -19,7 +19,7 @@ class OdaRequestValidator(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params):
         extra = getattr(sampling_params, "extra_args", None) or {}
-        if any(key in extra for key in KNOWN_KEYS):
+        if any(is_oda_key(key) for key in extra):
             check_request_admissible(extra)
 
     def __init__(self, vllm_config, device, is_pin_memory):
