@@ -586,6 +586,41 @@ def test_reports_leave_out_matched_random_records_drawn_at_an_outdated_rate(tmp_
     assert all(r["p"] == rates[r["task"]] for r in kept if r["kind"] == "random")
 
 
+def test_a_rerun_over_fewer_prompts_does_not_hide_the_control_drawn_for_all(tmp_path):
+    """Run over 3 prompts per task, then over the first one only into the same folder: the second run redraws the
+    first prompts' controls at ODA's rate over them; the report over the file (ODA on all 3) keeps, per pair, the
+    record drawn at ODA's rate over all 3, so Random covers the prompts ODA covers."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    policies = [runner.oda(0.0), runner.random_matched(0.0, 42)]
+    suite, path = _suite(n_per_task=3), tmp_path / "results.jsonl"
+    whole = runner.evaluate(model, tokenizer, suite, policies, path, progress=False)
+    runner.evaluate(model, tokenizer, [e for e in suite if e.id.endswith("/0")], policies, path, progress=False)
+    file = runner.ResultsFile(path, repair=False)
+    redrawn = [key for key, versions in file.versions.items() if len(versions) > 1]
+    assert redrawn, "the smaller run must move some task's rate for this test to mean anything"
+    assert len(runner.current_records(file.records.values())) < len(whole)   # the newest records alone lose them
+    assert sorted(file.current(), key=lambda r: (r["id"], r["policy"])) == sorted(
+        whole, key=lambda r: (r["id"], r["policy"]))
+
+
+def test_one_example_id_is_one_prompt_in_an_output_folder(tmp_path):
+    """Another suite's prompts under the same ids (e.g. another length) are refused, whichever policies run; a merge
+    of such folders is refused before anything is appended."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    path = tmp_path / "a" / "results.jsonl"
+    runner.evaluate(model, tokenizer, _suite(), [runner.full()], path, progress=False)
+    with pytest.raises(ValueError, match="another prompt or output cap.*prompt_sha256"):
+        runner.evaluate(model, tokenizer, _suite(length=14), [runner.streaming_llm()], path, progress=False)
+    with pytest.raises(ValueError, match="another prompt or output cap.*max_new_tokens"):
+        runner.evaluate(model, tokenizer, _suite(max_new_tokens=3), [runner.streaming_llm()], path, progress=False)
+    other = tmp_path / "b" / "results.jsonl"
+    runner.evaluate(model, tokenizer, _suite(n_per_task=3, length=14), [runner.streaming_llm()], other, progress=False)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="another prompt or output cap"):
+        runner.merge_results(path, [other])
+    assert path.read_bytes() == before
+
+
 def test_runs_split_by_task_merge_into_one(tmp_path):
     model, tokenizer = oda_model(), word_tokenizer()
     policies = [runner.full(), runner.oda(0.0)]
@@ -866,6 +901,20 @@ def _cli_setup(tmp_path, max_new_tokens: int, **suite):
     parser = argparse.ArgumentParser(prog="oda")
     add_cli(parser.add_subparsers(dest="command", required=True))
     return model, path, parser
+
+
+def test_cli_eval_table_and_trajectories_show_the_same_default_threshold(tmp_path):
+    """Without --primary-threshold (and no 0 run), the first threshold given is the main table's and the
+    trajectories' (the table once took the lowest and the trajectories the first)."""
+    _, suite, parser = _cli_setup(tmp_path, 3, n_per_task=1)
+    out = tmp_path / "eval"
+    args = parser.parse_args(["eval", "--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--sinks",
+                              "2", "--window", "4", "--data", str(suite), "--policies", "oda", "--thresholds", "0.05",
+                              "-0.05", "--trajectories", "1", "--out", str(out), "--no-progress", "--no-plots"])
+    assert args.func(args) == 0
+    report = (out / "report.md").read_text()
+    assert "θ=0.05)" in report and "θ=-0.05)" not in report.split("## Quality")[1].split("\n\n")[1]
+    assert "oda@0.05" in (out / "trajectories" / "niah_single_1_0.html").read_text()
 
 
 def test_cli_eval_and_diagnose(tmp_path):

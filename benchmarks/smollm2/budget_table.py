@@ -16,12 +16,12 @@ import math
 import os
 
 from oda_hf.evaluation.report import summarize
-from oda_hf.evaluation.runner import ResultsFile, current_records
+from oda_hf.evaluation.runner import ResultsFile
 
 
 def records_of(path: str) -> list[dict]:
     file = os.path.join(path, "results.jsonl") if os.path.isdir(path) else path
-    return current_records(ResultsFile(file, repair=False).records.values())
+    return ResultsFile(file, repair=False).current()
 
 
 def main() -> None:

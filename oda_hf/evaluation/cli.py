@@ -252,7 +252,7 @@ def _run_eval(args) -> int:
         if not os.path.exists(results_path):
             raise UsageError(f"--report-only: {results_path} does not exist; run without --report-only first.")
         with user_input(f"--report-only: {results_path}"):
-            records = runner.current_records(runner.ResultsFile(results_path, repair=False).records.values())
+            records = runner.ResultsFile(results_path, repair=False).current()
         if not records:
             raise UsageError(f"--report-only: {results_path} holds no records; run without --report-only first.")
         paths = _write_report(report, records, out, args.primary_threshold, not args.no_plots)
@@ -286,6 +286,8 @@ def _run_eval(args) -> int:
         (args.thresholds if args.thresholds is not None else [model.oda_config.threshold])
     primary = _primary_threshold(args, thresholds if oda_words else None)
     policies = build_policies(args.policies, thresholds, args.seeds)
+    if primary is None and any(p.kind == "oda" for p in policies):  # one default for the table and the trajectories
+        primary = 0.0 if 0.0 in thresholds else thresholds[0]
     if any(p.kind in ("oda", "budget") for p in policies) and model.recall_head is None:
         raise UsageError("ODA and budget policies need --head (or evaluate only full/local/random:P/schedule "
                          "policies).")
@@ -315,7 +317,6 @@ def _run_eval(args) -> int:
         raise UsageError(first_line(err)) from None
     paths = _write_report(report, records, out, primary, not args.no_plots)
     if args.trajectories:
-        primary = primary if primary is not None else (0.0 if 0.0 in thresholds else thresholds[0])
         name = runner.oda(primary).name
         folder = os.path.join(out, "trajectories")
         os.makedirs(folder, exist_ok=True)

@@ -251,16 +251,26 @@ class ResultsFile:
 
     def __init__(self, path: str | os.PathLike, repair: bool = True):
         self.path = os.fspath(path)
-        self.records: dict[tuple[str, str], dict] = {}
+        self.records: dict[tuple[str, str], dict] = {}   # the newest record of each pair
+        self.versions: dict[tuple[str, str], list[dict]] = {}   # every record of each pair, oldest first
         for record in read_appended_jsonl(self.path, repair, "record", ("id", "policy")):
-            self.records[(record["id"], record["policy"])] = record
+            self._keep(record)
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.records
 
     def add(self, record: dict) -> None:
         append_jsonl(self.path, record)
-        self.records[(record["id"], record["policy"])] = record
+        self._keep(record)
+
+    def _keep(self, record: dict) -> None:
+        key = (record["id"], record["policy"])
+        self.records[key] = record
+        self.versions.setdefault(key, []).append(record)
+
+    def current(self) -> list[dict]:
+        """The records to report: `current_records` of the newest ones, with every version at hand."""
+        return current_records(self.records.values(), self.versions)
 
 
 # -- what a run's results depend on -------------------------------------------------------------------
@@ -385,6 +395,7 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
     settings = read_manifest_settings(manifest_path)
     results, added = ResultsFile(output_path), 0
     contested: dict[tuple[str, str], list[dict]] = {}  # matched Random pairs drawn at different rates
+    loaded = []
     for source in map(os.fspath, sources):
         if os.path.abspath(source) == os.path.abspath(output_path):
             continue
@@ -392,7 +403,16 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
         if not os.path.exists(source_manifest):
             raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
         check_manifest(source_manifest, settings, source)
-        for key, record in ResultsFile(source, repair=False).records.items():
+        loaded.append((source, ResultsFile(source, repair=False)))
+    # Before anything is appended: an example id must be the same prompt and output cap in every file.
+    prompts: dict[str, dict] = {}
+    for path, records in [(output_path, results.records.values())] + [(s, f.records.values()) for s, f in loaded]:
+        for record in records:
+            first = prompts.setdefault(record["id"], record.get("settings") or {})
+            if record.get("settings") and first:
+                check_same_prompt([record], {key: first.get(key) for key in PROMPT_KEYS}, path)
+    for source, file in loaded:
+        for key, record in file.records.items():
             held = results.records.get(key)
             if held is None:
                 results.add(record)
@@ -451,12 +471,18 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
     `adopt_unlabeled`: records without settings (older oda_hf) are trusted to have this run's settings.
     """
     adopted = rescored = 0
+    by_example: dict[str, list[dict]] = {}
+    for (example_id, _), record in results.records.items():
+        by_example.setdefault(example_id, []).append(record)
     for example in examples:
+        held = by_example.get(example.id, [])
         done = [(spec, results.records[(example.id, spec.name)]) for spec in policies
                 if (example.id, spec.name) in results]
-        if not done:
+        if not held:
             continue
         input_ids = encode_prompt(example, tokenizer, chat_template)
+        check_same_prompt(held, {"max_new_tokens": example.max_new_tokens,
+                                 "prompt_sha256": prompt_fingerprint(input_ids)}, results.path)
         for spec, record in done:
             where = f"{results.path} already holds ({example.id}, {spec.name})"
             if "settings" not in record:
@@ -482,6 +508,22 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
     if adopted:
         logger.warning(f"{results.path}: reusing {adopted} records without settings as made with this run's settings "
                        "(adopt_unlabeled).")
+
+
+#: What makes two records of one example id records of the same item, whatever their policies.
+PROMPT_KEYS = ("prompt_sha256", "max_new_tokens")
+
+
+def check_same_prompt(records: Iterable[dict], prompt: dict, where: str) -> None:
+    """ValueError if a record (any policy) was made for another prompt or output cap than `prompt` (`PROMPT_KEYS`):
+    one example id must mean one item in a results file, or a report would put policies run on different prompts
+    side by side. Records without settings (older oda_hf) are not checked here."""
+    for record in records:
+        differences = _differences(record.get("settings") or prompt, prompt, PROMPT_KEYS)
+        if differences:
+            raise ValueError(f"{where} holds ({record['id']}, {record['policy']}) made for another prompt or output "
+                             f"cap than this one: " + "; ".join(differences) + ". One example id must be one prompt "
+                             "in an output folder: write to a new output folder (--out).")
 
 
 def scoring_identity(example: EvalExample) -> dict:
@@ -715,12 +757,25 @@ def current_matched_rates(records: Iterable[dict]) -> dict[float, dict[str, floa
             for threshold in {r["threshold"] for r in records if is_matched_random(r)}}
 
 
-def current_records(records: Iterable[dict]) -> list[dict]:
+def current_records(records: Iterable[dict], versions: dict[tuple[str, str], list[dict]] | None = None) -> list[dict]:
     """`records` without the matched Random records drawn at a rate that is not ODA's per-task rate over them (left
-    by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run."""
+    by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run.
+
+    `versions` (`ResultsFile.versions`): every record of each pair. A stale matched record is then replaced by the
+    pair's newest earlier record at the current rate, if there is one (a rerun over fewer prompts into the same
+    folder redraws the control at their rate, and that must not hide the records drawn for all of them)."""
     records = list(records)
     rates = current_matched_rates(records)
-    return [r for r in records if not is_matched_random(r) or r["p"] == matched_rate_of(r, rates)]
+    kept = []
+    for record in records:
+        if not is_matched_random(record) or record["p"] == (rate := matched_rate_of(record, rates)):
+            kept.append(record)
+            continue
+        earlier = [v for v in (versions or {}).get((record["id"], record["policy"]), [])
+                   if v.get("p") == rate and (draws_per_example(v) or not draws_per_example(record))]
+        if earlier:
+            kept.append(earlier[-1])
+    return kept
 
 
 def matched_rate_of(record: dict, rates: dict[float, dict[str, float]]) -> float:
