@@ -403,6 +403,27 @@ def test_diagnostics_analysis_and_report(tmp_path):
     assert os.path.getsize(paths["budget_curve"]) > 1000
 
 
+def test_diagnostics_keep_one_run_per_positions_file(tmp_path):
+    """New documents computed with another geometry into a positions file are refused, and a file that mixes runs
+    anyway (written by hand, or by an older oda_hf) is refused on reading, so no analysis pools them."""
+    model = oda_model("qwen3")
+    documents = [{"id": f"doc{i}", "input_ids": list(range(4 + i, 20 + i))} for i in range(2)]
+    path = tmp_path / "positions.jsonl"
+    diagnostics.collect_reference_gains(model, documents[:1], output_path=path, history="full", count=4,
+                                        progress=False)
+    model.set_routing(sinks=1, window=8)
+    with pytest.raises(ValueError, match="doc0.*other settings.*sinks: 2 there, 1 now"):
+        diagnostics.collect_reference_gains(model, documents[1:], output_path=path, history="full", count=4,
+                                            progress=False)
+    other = tmp_path / "other.jsonl"
+    diagnostics.collect_reference_gains(model, documents[1:], output_path=other, history="full", count=4,
+                                        progress=False)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(other.read_text())
+    with pytest.raises(ValueError, match="doc1.*other settings"):
+        diagnostics.load_positions(path)
+
+
 # -- the runner, reports and trajectories ------------------------------------------------------------------------
 
 

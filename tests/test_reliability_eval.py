@@ -87,6 +87,8 @@ def root(tmp_path_factory):
     (root / "results_bad" / "results.jsonl").write_text('{"id": "e0", "policy"\n{"id": "e1", "policy": "full"}\n')
     (root / "results_list").mkdir()
     (root / "results_list" / "results.jsonl").write_text("[1, 2]\n")
+    (root / "results_partial").mkdir()
+    (root / "results_partial" / "results.jsonl").write_text('{"id": "a", "policy": "full", "task": "t1"}\n')
     (root / "calib_bad").mkdir()
     (root / "calib_bad" / "calibration_inputs.json").write_text("{oops")
     (root / "positions_bad").mkdir()
@@ -186,6 +188,8 @@ BAD = [
      "results.jsonl:1: unreadable record in the middle of the file"),
     ("eval-report-only-not-records", ["eval", "--out", "{root}/results_list", "--report-only", "--no-plots"],
      "results.jsonl:1: not a record"),
+    ("eval-report-only-partial-record", ["eval", "--out", "{root}/results_partial", "--report-only", "--no-plots"],
+     "results.jsonl: the record (a, full) has no group, kind, score, routed_steps, full_calls; it was not written"),
     # -- oda calibrate ----------------------------------------------------------------------------------------------
     ("calibrate-rate-nan", CAL + ["--data", "{root}/good.jsonl", "--target-rate", "nan"],
      "--target-rate: must be a finite number >= 0 and <= 1 (a probability); got nan"),

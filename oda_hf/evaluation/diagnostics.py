@@ -269,6 +269,23 @@ def _position_settings(model, model_settings: dict, document: dict, history: str
             "input_sha256": prompt_fingerprint(document["input_ids"])}
 
 
+#: Per-document settings; every other setting (model, head, geometry, history, threshold) is the whole file's.
+DOCUMENT_KEYS = ("start", "count", "input_sha256")
+
+
+def _check_one_run(records: Sequence[dict], settings: dict, path) -> None:
+    """ValueError if a positions record (any document) was computed with other model-level settings than `settings`:
+    pooled into one analysis, documents of different models, heads or geometries would pass for one run."""
+    from .runner import _differences
+
+    keys = [key for key in settings if key not in DOCUMENT_KEYS]
+    for data in records:
+        differences = _differences(data.get("settings") or settings, settings, keys)
+        if differences:
+            raise ValueError(f"{path} holds document {data['id']!r} computed with other settings: "
+                             + "; ".join(differences) + ". One output folder holds one run: use a new one (--out).")
+
+
 def collect_reference_gains(model, documents: Sequence[dict], *, output_path: str | os.PathLike | None = None,
                             history: str = "selected", count: int | None = None, threshold: float | None = None,
                             progress: bool = True) -> list[ReferencePositions]:
@@ -285,6 +302,9 @@ def collect_reference_gains(model, documents: Sequence[dict], *, output_path: st
     if output_path is not None:
         for data in read_appended_jsonl(output_path, repair=True, kind="positions record", required=("id",)):
             done[data["id"]] = data
+        if documents:
+            _check_one_run(list(done.values()), _position_settings(model, model_settings, documents[0], history,
+                                                                   count, threshold), output_path)
     results = []
     for document in tqdm(documents, desc="reference sequences", disable=not progress):
         settings = _position_settings(model, model_settings, document, history, count, threshold)
@@ -569,7 +589,7 @@ def load_positions(path: str | os.PathLike) -> list[ReferencePositions]:
     run is skipped; the newest record of a document is taken)."""
     from .runner import read_appended_jsonl
 
-    records = {}
+    records, raw = {}, {}
     for number, data in enumerate(read_appended_jsonl(path, repair=False, kind="positions record",
                                                       required=("id", "history")), start=1):
         try:
@@ -577,4 +597,8 @@ def load_positions(path: str | os.PathLike) -> list[ReferencePositions]:
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: record {number} ({data['id']!r}) is damaged ({err!r}); delete that line or "
                              "run again into a new output folder.") from None
+        raw[data["id"]] = data
+    labelled = [data for data in raw.values() if data.get("settings")]
+    if labelled:
+        _check_one_run(labelled, labelled[0]["settings"], path)
     return list(records.values())

@@ -270,7 +270,21 @@ class ResultsFile:
 
     def current(self) -> list[dict]:
         """The records to report: `current_records` of the newest ones, with every version at hand."""
+        check_report_fields(self.records.values(), self.path)
         return current_records(self.records.values(), self.versions)
+
+
+#: What the report reads of every record (`oda eval` writes them all).
+REPORT_FIELDS = ("task", "group", "kind", "score", "routed_steps", "full_calls")
+
+
+def check_report_fields(records: Iterable[dict], where: str) -> None:
+    """ValueError naming the first record that lacks a field the report reads (not a record `oda eval` wrote)."""
+    for record in records:
+        missing = [key for key in REPORT_FIELDS if key not in record]
+        if missing:
+            raise ValueError(f"{where}: the record ({record['id']}, {record['policy']}) has no {', '.join(missing)}; "
+                             "it was not written by oda eval: remove it, or evaluate into a new folder (--out).")
 
 
 # -- what a run's results depend on -------------------------------------------------------------------
@@ -404,6 +418,7 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
             raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
         check_manifest(source_manifest, settings, source)
         loaded.append((source, ResultsFile(source, repair=False)))
+        check_report_fields(loaded[-1][1].records.values(), source)
     # Before anything is appended: an example id must be the same prompt and output cap in every file.
     prompts: dict[str, dict] = {}
     for path, records in [(output_path, results.records.values())] + [(s, f.records.values()) for s, f in loaded]:
