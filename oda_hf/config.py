@@ -15,6 +15,8 @@ from .validation import MAX_SPAN, integer, number
 logger = logging.get_logger(__name__)
 
 ODA_CONFIG_NAME = "oda_config.json"
+#: Beside it in a head folder: the sweep `oda calibrate` chose the threshold from (valid for those weights only).
+CALIBRATION_NAME = "calibration.json"
 ROUTING_KEYS = ("sinks", "window", "threshold", "policy")
 
 

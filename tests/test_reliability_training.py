@@ -563,3 +563,67 @@ def test_flops_bad_config_files(tmp_path, flag, content, fragment):
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     code, err = _oda(["flops", flag, str(path)])
     _assert_one_line_error(code, err, fragment, "flops")
+
+
+# -- runs that would have gone on with something other than what was asked ------------------------------------
+def test_max_steps_and_epochs_together_are_refused(setup, tmp_path):
+    code, err = _oda(_train(setup, tmp_path / "out") + ["--max-steps", "2", "--epochs", "1"])
+    _assert_one_line_error(code, err, "--max-steps 2 and --epochs 1 both set how long training runs", "train-head")
+
+
+def test_resuming_with_another_learning_rate_is_refused(setup, tmp_path):
+    """The checkpoint's optimizer and schedule would go on with the old rate while the head recorded the new one."""
+    out = _copy_out(setup, tmp_path)
+    code, err = _oda(_train(setup, out) + ["--max-steps", "3", "--resume", "--lr", "0.05"])
+    _assert_one_line_error(code, err, "learning_rate: 0.0003 in the checkpoint, 0.05 now", "train-head")
+
+
+def test_resuming_on_another_cache_is_refused(setup, tmp_path):
+    def from_cache(cache, out):
+        argv = _train(setup, out)
+        argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
+        for flag in ("--sinks", "--window", "--seq-len"):
+            del argv[argv.index(flag):argv.index(flag) + 2]
+        return argv
+
+    _write_documents(tmp_path / "other.jsonl", [22, 19, 27], seed=5)
+    for name, data in (("a", setup / "data.jsonl"), ("b", tmp_path / "other.jsonl")):
+        argv = _cache(setup, tmp_path / name)
+        argv[argv.index("--data") + 1] = str(data)
+        code, err = _oda(argv)
+        assert code == 0, err
+    code, err = _oda(from_cache(tmp_path / "a", tmp_path / "head") + ["--max-steps", "1"])
+    assert code == 0, err
+    code, err = _oda(from_cache(tmp_path / "b", tmp_path / "head") + ["--max-steps", "2", "--resume"])
+    _assert_one_line_error(code, err, "cache_rows_sha256", "train-head")
+
+
+def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):
+    from oda_hf import OdaConfig
+
+    out = _copy_out(setup, tmp_path)
+    (out / "calibration.json").write_text(json.dumps({"chosen": {"threshold": 0.7}}))
+    config = json.loads((out / "oda_config.json").read_text())
+    (out / "oda_config.json").write_text(json.dumps({**config, "threshold": 0.7}))
+    code, err = _oda(_train(setup, out) + ["--max-steps", "3", "--resume"])
+    assert code == 0, err
+    assert not (out / "calibration.json").exists()
+    assert json.loads((out / "oda_config.json").read_text())["threshold"] == OdaConfig().threshold
+
+
+def test_a_damaged_shard_is_named_and_rewritten_by_the_same_command(setup, tmp_path):
+    cache = tmp_path / "cache"
+    code, err = _oda(_cache(setup, cache, "--rows-per-shard", "2"))
+    assert code == 0, err
+    shard = sorted(cache.glob("shard-*.safetensors"))[0]
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[: len(intact) // 2])
+    argv = _train(setup, tmp_path / "head")
+    argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
+    for flag in ("--sinks", "--window", "--seq-len"):
+        del argv[argv.index(flag):argv.index(flag) + 2]
+    code, err = _oda(argv + ["--max-steps", "1"])
+    _assert_one_line_error(code, err, "with another size (damaged", "train-head")
+    code, err = _oda(_cache(setup, cache, "--rows-per-shard", "2"))
+    assert code == 0, err
+    assert shard.read_bytes() == intact

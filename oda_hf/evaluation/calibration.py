@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Sequence
 
+from ..config import CALIBRATION_NAME
 from ..files import write_json
 from .report import summarize
 from ..validation import integer, number
@@ -38,7 +39,6 @@ from .runner import evaluate, full, oda
 
 #: Head scores are ``T(g - lambda)``-scaled NLL gains: dense near 0, retrieval steps well above.
 DEFAULT_GRID = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
-CALIBRATION_NAME = "calibration.json"
 DEV_RECORDS, TEST_RECORDS = "calibration_records.jsonl", "test_records.jsonl"
 INPUTS_NAME = "calibration_inputs.json"
 

@@ -60,8 +60,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         help="history threshold tau_hist (default 0.001)")
     parser.add_argument("--loss-reduction", choices=("micro", "step"), default="micro",
                         help="micro: mean of microbatch means; step: sum / eligible tokens of the update")
-    parser.add_argument("--max-steps", type=argument(integer, "max-steps", minimum=1), default=1000,
-                        help="optimizer updates (default 1000)")
+    parser.add_argument("--max-steps", type=argument(integer, "max-steps", minimum=1), default=None,
+                        help="optimizer updates (default 1000, or --epochs)")
     parser.add_argument("--epochs", type=argument(number, "epochs", minimum=0.0, exclusive_minimum=True, maximum=1e6),
                         default=None,
                         help="passes over the data instead of --max-steps (natural with --from-cache)")
@@ -109,6 +109,9 @@ def run_cli(args) -> int:
     from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
     check_output_folder("--output", args.output)
+    if args.max_steps is not None and args.epochs is not None:  # one would silently win over the other
+        raise UsageError(f"--max-steps {args.max_steps} and --epochs {args.epochs:g} both set how long training "
+                         "runs: give one of them.")
     cache = _data_source(args)  # fills in sinks / window / tau_hist (from the cache if training from one)
     with user_input("--sinks/--window"):
         OdaConfig(sinks=args.sinks, window=args.window)  # validate before any loading
@@ -177,7 +180,7 @@ def run_cli(args) -> int:
 
         with user_input("train-head"):
             training_args = OdaTrainingArguments(
-                output_dir=args.output, max_steps=args.max_steps if args.epochs is None else -1,
+                output_dir=args.output, max_steps=-1 if args.epochs is not None else (args.max_steps or 1000),
                 num_train_epochs=args.epochs if args.epochs is not None else 3.0,
                 per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
                 learning_rate=args.lr, warmup_steps=args.warmup_steps, save_strategy="steps",

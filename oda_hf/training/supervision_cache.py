@@ -183,6 +183,12 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
     return SupervisionCache(output_dir)
 
 
+def _shard_intact(folder: str, shard: dict) -> bool:
+    """Whether a shard's file is there with the size its manifest entry records (else it is written again)."""
+    path = os.path.join(folder, shard["file"])
+    return os.path.isfile(path) and os.path.getsize(path) == shard["bytes"]
+
+
 def _write_shards(model, rows, output_dir: str, manifest: dict, num_shards: int, *, sinks: int, window: int,
                   tau_hist: float, rows_per_shard: int, dtype: str, pad_token_id: int, lm_chunk: int,
                   progress: bool) -> None:
@@ -190,8 +196,8 @@ def _write_shards(model, rows, output_dir: str, manifest: dict, num_shards: int,
     if os.path.exists(path):
         existing = _read_manifest(path)
         _check_identity(path, existing, manifest)
-        # A shard counts once the manifest records it and its file is there (written atomically before).
-        manifest["shards"] = [s for s in existing["shards"] if os.path.isfile(os.path.join(output_dir, s["file"]))]
+        # A shard counts once the manifest records it and its file is there, whole (written atomically before).
+        manifest["shards"] = [s for s in existing["shards"] if _shard_intact(output_dir, s)]
     write_json(path, manifest)
 
     done = {s["index"] for s in manifest["shards"]}
@@ -274,10 +280,11 @@ class SupervisionCache(_CacheSettings):
         if covered != self.manifest["rows"]:
             raise ValueError(f"{self.path} is incomplete: {covered} of {self.manifest['rows']} rows cached. Rerun "
                              "the same `oda cache-supervision` command to finish it (finished shards are kept).")
-        missing = [s["file"] for s in self.shards if not os.path.isfile(os.path.join(self.path, s["file"]))]
+        missing = [s["file"] for s in self.shards if not _shard_intact(self.path, s)]
         if missing:
-            raise ValueError(f"{self.path} is missing {len(missing)} shard file(s) its manifest records (e.g. "
-                             f"{missing[0]}): rerun the same `oda cache-supervision` command to write them again.")
+            raise ValueError(f"{self.path} is missing {len(missing)} shard file(s) its manifest records, or holds them "
+                             f"with another size (damaged; e.g. {missing[0]}): rerun the same `oda cache-supervision` "
+                             "command to write them again.")
         self._first_rows = [s["first_row"] for s in self.shards]
         self._handles: dict[int, object] = {}
         self._offsets: dict[int, torch.Tensor] = {}
@@ -447,6 +454,10 @@ class OdaCacheTrainer(OdaTrainer):
         self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
         kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache))
         kwargs.setdefault("data_collator", CachedSupervisionCollator())
+        # Which rows the head learns from: resuming on other caches (other documents or --seq-len) is another run.
+        caches = getattr(self.cache, "caches", [self.cache])
+        kwargs.setdefault("supervision_settings", {"seq_len": self.cache.manifest.get("seq_len"),
+                                                   "cache_rows_sha256": [c.manifest["data_sha256"] for c in caches]})
         super().__init__(model=model, args=args, **kwargs)
 
     def count_eligible(self, batch: dict) -> int:

@@ -46,7 +46,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from ..config import OdaConfig
+from ..config import CALIBRATION_NAME, OdaConfig
 from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..validation import MAX_SPAN, integer, number
@@ -61,6 +61,10 @@ logger = logging.get_logger(__name__)
 TRAINING_ARGS_NAME = "training_args.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 SETTINGS_NAME = "oda_training.json"
+#: Training arguments a resumed run keeps whatever it is given: the checkpoint's optimizer and schedule state carry
+#: its learning rate and warm-up, and the data order follows its seed and batch shape.
+RESUME_KEEPS = ("learning_rate", "warmup_steps", "lr_scheduler_type", "weight_decay", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "seed")
 STAGING_PREFIX = "tmp-checkpoint-"  # a checkpoint being written; renamed to checkpoint-N when complete
 MICRO_COUNT, UPDATE_COUNT, NUM_MICRO = "oda_micro_count", "oda_update_count", "oda_num_micro"
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -401,6 +405,7 @@ class OdaTrainer(Trainer):
             raise ValueError(f"{path} is not an {SETTINGS_NAME} written by OdaTrainer (it needs a 'settings' object "
                              "and a 'history' list): resume from another checkpoint or start a new output folder.")
         self._settings_history = list(saved.get("history", []))
+        self._check_resume_arguments(checkpoint, allow)
         differences = _differences(saved["settings"], self.supervision_settings)
         if not differences:
             return
@@ -414,6 +419,26 @@ class OdaTrainer(Trainer):
             step = json.load(f).get("global_step")
         logger.warning(f"Resuming {checkpoint} with other supervision settings (allowed): " + "; ".join(differences))
         self._settings_history.append({"until_step": step, "settings": saved["settings"]})
+
+    def _check_resume_arguments(self, checkpoint: str, allow: bool) -> None:
+        """Resuming with another learning rate, schedule, batch shape or seed (`RESUME_KEEPS`) would record the new
+        values while the checkpoint's optimizer and scheduler state go on with the old ones."""
+        path = os.path.join(checkpoint, TRAINING_ARGS_NAME)
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return  # written by an older oda_hf: nothing to compare with
+        current = self.args.to_dict()
+        differences = [f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now" for key in RESUME_KEEPS
+                       if isinstance(saved, dict) and key in saved and saved.get(key) != current.get(key)]
+        if differences and not allow:
+            raise ValueError(f"Resuming {checkpoint} with other training arguments: " + "; ".join(differences) + ". "
+                             "A resumed run goes on with the checkpoint's optimizer and learning-rate schedule: resume "
+                             "with its values, or start a new output folder (--allow-changed-settings resumes anyway).")
+        if differences:
+            logger.warning(f"Resuming {checkpoint} with other training arguments (allowed; the optimizer and schedule "
+                           "state of the checkpoint still apply): " + "; ".join(differences))
 
     def _no_supervision_message(self, what: str) -> str:
         return (f"No eligible position in {what}: supervision needs segments longer than s + w + 1 = "
@@ -443,16 +468,25 @@ class OdaTrainer(Trainer):
         # Every file is written into a staging folder and published with config.json last: a run killed while
         # saving leaves the previous head (or none), never a mix or a 0-byte config.json.
         staging = staging_folder(output_dir)
+        # A calibration (`oda calibrate`) belongs to the weights it was measured on: saving new weights over a
+        # calibrated head drops it and its threshold, or the folder would ship a threshold chosen for other weights.
+        calibration = os.path.join(output_dir, CALIBRATION_NAME)
+        threshold = self.oda_model.oda_config.threshold
+        if os.path.exists(calibration):
+            threshold = OdaConfig().threshold
+            logger.warning(f"{output_dir} held a calibrated head: the new weights are saved uncalibrated (threshold "
+                           f"{threshold:g}, {CALIBRATION_NAME} removed); run `oda calibrate` on them again.")
         try:
             head.save_files(staging, model_card_fields={"training": training})
-            config = self.oda_model.oda_config
-            OdaConfig(sinks=self.oda_sinks, window=self.oda_window, threshold=config.threshold,
+            OdaConfig(sinks=self.oda_sinks, window=self.oda_window, threshold=threshold,
                       policy="head").save_pretrained(staging)
             with open(os.path.join(staging, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
                 f.write(self.args.to_json_string())  # JSON, not the stock pickled training_args.bin
             with open(os.path.join(staging, SETTINGS_NAME), "w", encoding="utf-8") as f:
                 json.dump({"format": 1, "settings": self.supervision_settings, "history": self._settings_history}, f,
                           indent=2)
+            if os.path.exists(calibration):
+                os.remove(calibration)   # before the new weights are published: they never sit beside it
             publish_files(staging, output_dir, marker="config.json")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
