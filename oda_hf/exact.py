@@ -30,7 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation import GenerateDecoderOnlyOutput, RepetitionPenaltyLogitsProcessor
 
 from .cache import LOCAL, PREFILL, OdaCache, OdaGlobalLayer, OdaSlidingWindowLayer
 from .packed_attention import packed_attention
@@ -192,6 +192,10 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
             f"oda_mode='exact' verifies when the recall head asks, but the routing policy is {policy!r}. Use "
             "policy='head' with a recall head, or verify_threshold=math.inf for fixed-length drafts (max_draft "
             "tokens per verification, no head).")
+    if use_head and getattr(policy, "name", None) == "budget":
+        raise ValueError(f"oda_mode='exact' does not apply a Full-call budget ({policy!r}): it verifies whenever the "
+                         "head's score passes verify_threshold, as often as that takes to match Full. Use policy='head' "
+                         "(verify_threshold=... sets how eagerly it verifies), or the default oda_mode for a budget.")
     return _Settings(max_draft, verify_threshold, use_head)
 
 
@@ -211,6 +215,10 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
     request = resolve_request(model, inputs, generation_config, kwargs, refuse=_refuse)
     if request.output_scores or request.output_logits:
         raise _refuse("output_scores / output_logits")
+    for processor in request.processors:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+            # Built for the padded batch (it skips each row's left padding); rows here are decoded unpadded.
+            processor.prompt_ignore_length = None
     engine = None
     if oda_fast and fast_path_enabled():
         longest = int(request.attention_mask.sum(dim=1).max())

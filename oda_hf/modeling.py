@@ -219,8 +219,14 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         """An empty `OdaCache` for this model and the current sinks/window (preallocated if `max_cache_len`)."""
         cache = OdaCache(self.config, sinks=self.oda_config.sinks, window=self.oda_config.window,
                          max_cache_len=max_cache_len)
-        cache.on_reorder.append(lambda indices: self.routing.reorder(indices))
+        cache.on_reorder.append(self._reorder_rows)
         return cache
+
+    def _reorder_rows(self, indices: torch.Tensor) -> None:
+        """Beam search reordered the cache's rows: the routing record and the policy's per-row state follow."""
+        self.routing.reorder(indices)
+        if self._policy is not None:
+            self._policy.reorder(indices)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size=None,
                                       max_cache_length=None, *args, **kwargs):
@@ -282,10 +288,6 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         for key in _UNSUPPORTED_GENERATE_KWARGS:
             if kwargs.get(key) is not None:
                 raise ValueError(f"generate({key}=...) is not supported by ODA (it needs cache cropping/re-runs).")
-        if kwargs.get("stopping_criteria"):
-            kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [_RecordFinishedRows(criterion, self) for criterion in kwargs["stopping_criteria"]]
-            )
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
         self._generate_call_starting = True
         try:
@@ -294,6 +296,12 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             self._generate_call_starting = False
         self._mark_eos_rows(output, kwargs)
         return output
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, **kwargs):
+        # Every criterion of the call (EOS, stop strings, max length, the user's), after transformers has merged the
+        # user's with its own, tells ODA when each row stopped: its later steps are padding, not routed steps.
+        criteria = super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer, **kwargs)
+        return StoppingCriteriaList([_RecordFinishedRows(criterion, self) for criterion in criteria])
 
     def _mark_eos_rows(self, output, kwargs) -> None:
         """Rows that emitted EOS stop counting routed steps after it (their later tokens are padding)."""
@@ -549,10 +557,16 @@ def _check_prompt_not_empty(input_ids) -> None:
 
 
 class _RecordFinishedRows(StoppingCriteria):
-    """Wraps a user stopping criterion so ODA knows when each row stopped (its later steps are padding)."""
+    """Wraps a stopping criterion so ODA knows when each row stopped (its later steps are padding). Its attributes
+    are the criterion's: `generate` pads finished rows only if some criterion has an ``eos_token_id``."""
 
     def __init__(self, criterion, model: OdaForCausalLM):
         self.criterion, self.model = criterion, model
+
+    def __getattr__(self, name):
+        if name in ("criterion", "model"):  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.criterion, name)
 
     def __call__(self, input_ids, scores, **kwargs):
         done = self.criterion(input_ids, scores, **kwargs)

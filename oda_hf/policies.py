@@ -40,6 +40,9 @@ class RoutingPolicy(ABC):
     def reset(self) -> None:
         """Called at the start of every request (prefill), so seeded policies are reproducible."""
 
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Rows moved (beam search: row ``i`` continues row ``indices[i]``): per-row state must follow them."""
+
     def observe_window(self, in_window: torch.Tensor) -> None:
         """Rows (bool ``[batch]``, CPU) whose step is within sinks + window, given before `decide` on the HF path
         (their decision is ignored; policies that count decided steps need it)."""
@@ -195,8 +198,16 @@ class BudgetPolicy(RoutingPolicy):
         self._calls = self._decided = None
         self._in_window = None
 
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Rows moved (beam search: row ``i`` continues row ``indices[i]``): per-row state must follow them."""
+
     def observe_window(self, in_window: torch.Tensor) -> None:
         self._in_window = in_window
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        if self._calls is not None:  # each beam keeps the counts of the beam it continues
+            indices = indices.cpu()
+            self._calls, self._decided = self._calls[indices], self._decided[indices]
 
     def decide(self, scores, step, batch_size, device):
         if self._calls is None or self._calls.shape[0] != batch_size:

@@ -119,6 +119,48 @@ def test_custom_stopping_criteria_finish_rows():
     assert model.routing.steps_per_row.tolist() == [3, 9]
 
 
+def test_user_stopping_criteria_behave_as_in_stock_generate():
+    """A user's EosTokenCriteria pads finished rows, and a user's MaxLengthCriteria replaces the built-in one, as
+    in stock generate(); the rows' routed steps stop where they did (ODA once wrapped the user's criteria before
+    transformers merged them, which hid both)."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    base = tiny_model("qwen3")
+    model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="full"))
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    free = base.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 9 + 3])
+    for criteria in ([EosTokenCriteria(eos_token_id=eos)], [MaxLengthCriteria(max_length=9 + 6)]):
+        kwargs = dict(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                      stopping_criteria=StoppingCriteriaList(criteria))
+        stock = base.generate(**kwargs)
+        assert torch.equal(model.generate(**kwargs), stock)
+    stock = base.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=eos)]))
+    first = [int((row == eos).nonzero()[0]) if (row == eos).any() else 9 for row in stock[:, 9:]]
+    model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                   stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=eos)]))
+    assert model.routing.steps_per_row.tolist() == first
+
+
+def test_rows_after_the_generation_configs_eos_are_not_routed_steps():
+    """EOS from the model's generation config under a user config that leaves it unset, or from a config passed
+    positionally: rows after it are padding, not routed steps."""
+    from transformers import GenerationConfig
+
+    model = OdaForCausalLM(tiny_model("qwen3"), oda_config=OdaConfig(sinks=2, window=4, policy="local"))
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    free = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 9 + 3])
+    first = [int((row == eos).nonzero()[0]) if (row == eos).any() else 9 for row in free[:, 9:]]
+    model.generation_config.eos_token_id = eos
+    for call in (lambda: model.generate(ids, GenerationConfig(max_new_tokens=10, pad_token_id=0)),
+                 lambda: model.generate(input_ids=ids, generation_config=GenerationConfig(max_new_tokens=10,
+                                                                                          pad_token_id=0))):
+        call()
+        assert model.routing.steps_per_row.tolist() == first
+
+
 def test_manual_decode_loop_with_forward():
     """forward() is usable without generate(): prefill, then one routed step per call."""
     base = tiny_model("qwen3_5")

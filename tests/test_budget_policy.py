@@ -10,8 +10,8 @@ from oda_hf.cli import parse_policy
 from tiny_models import tiny_model
 
 
-def model_with_head(threshold=-10.0):
-    base = tiny_model("qwen3")
+def model_with_head(threshold=-10.0, seed=0):
+    base = tiny_model("qwen3", seed=seed)
     head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -52,6 +52,22 @@ def test_nan_scores_are_full_only_within_budget():
     policy = BudgetPolicy(0.5, threshold=0.0)
     got = [bool(policy.decide(torch.tensor([math.nan]), t, 1, "cpu")[0]) for t in range(1, 7)]
     assert got == [False, True, False, True, False, True]
+
+
+def test_every_beam_holds_its_budget():
+    """Beam search reorders rows: each beam's counts follow the beam it continues, so the budget holds along every
+    final beam's history (with the counts left on their slots, beams went to 11 calls in 29 steps at a 30% rate)."""
+    model = model_with_head(threshold=0.5, seed=2)
+    model.set_routing(policy=BudgetPolicy(0.3))
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(2))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, num_beams=4, do_sample=False,
+                   early_stopping=False, pad_token_id=0)
+    routing = model.routing
+    decided = ~routing.in_window & routing.valid
+    calls = torch.cumsum((routing.decisions & decided).long(), dim=1)
+    steps = torch.cumsum(decided.long(), dim=1)
+    assert bool((calls <= 0.3 * steps + 1e-9).all()), (calls[:, -1], steps[:, -1])
+    assert int(calls[:, -1].max()) > 0
 
 
 def test_generate_realised_rate_holds_per_row_where_the_plain_head_exceeds_it():

@@ -90,6 +90,20 @@ def test_padded_batch_equals_stock_padded_batch(oda_fast):
 
 
 @BACKENDS
+def test_repetition_penalty_on_a_padded_batch_equals_stock(oda_fast):
+    """transformers builds the penalty for the padded batch (it skips each row's padding); exact mode decodes rows
+    unpadded, one at a time, and must still match stock."""
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, repetition_penalty=3.0)
+    reference = model.base_model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, oda_mode="exact", oda_fast=oda_fast, **kwargs), reference)
+
+
+@BACKENDS
 def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft(oda_fast):
     model = exact_model("qwen3")
     ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5))
@@ -260,6 +274,15 @@ def test_bad_exact_settings(kwargs, error, fragment):
     with pytest.raises(error) as info:
         model.generate(torch.randint(3, 90, (1, 12)), max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs)
     assert fragment in str(info.value)
+
+
+def test_exact_refuses_a_budget_it_would_not_apply():
+    from oda_hf import BudgetPolicy
+
+    model = exact_model("qwen3")
+    model.set_routing(policy=BudgetPolicy(0.1))
+    with pytest.raises(ValueError, match="does not apply a Full-call budget"):
+        exact(model, torch.randint(3, 90, (1, 20)), max_new_tokens=4)
 
 
 def test_exact_needs_the_head_unless_drafts_are_fixed():
