@@ -198,9 +198,6 @@ class BudgetPolicy(RoutingPolicy):
         self._calls = self._decided = None
         self._in_window = None
 
-    def reorder(self, indices: torch.Tensor) -> None:
-        """Rows moved (beam search: row ``i`` continues row ``indices[i]``): per-row state must follow them."""
-
     def observe_window(self, in_window: torch.Tensor) -> None:
         self._in_window = in_window
 
