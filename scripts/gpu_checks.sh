@@ -17,6 +17,11 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 "$py" -c "import oda_hf.kernels" || { echo "oda_hf is not installed: pip install --no-deps -e ." >&2; exit 1; }
+# oda_hf needs transformers >= 5.23 (its cache classes); a GPU image can ship an older one (5.17 was seen). Put a
+# newer one ahead on the path: pip install --no-deps --target DIR transformers==5.24.0, then PYTHONPATH=DIR.
+"$py" -c "import sys, transformers; from packaging.version import Version
+sys.exit(Version(transformers.__version__) < Version('5.23'))" || {
+  echo "transformers is older than 5.23, which oda_hf needs: put a newer one ahead on PYTHONPATH (see above)" >&2; exit 1; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers',
