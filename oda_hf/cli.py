@@ -53,6 +53,21 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base model dtype: float32|fp32, bfloat16|bf16, float16|fp16 or auto (default float32)")
 
 
+def check_threshold_is_read(threshold: float, policy) -> None:
+    """UsageError unless `policy` reads the head threshold --threshold sets: `head`, or a budget without its own."""
+    from .policies import BudgetPolicy
+
+    if isinstance(policy, BudgetPolicy):
+        if policy.threshold is not None:
+            raise UsageError(f"--threshold {threshold:g} and --policy budget:{policy.rate:g}:{policy.threshold:g} give "
+                             "two thresholds: give it once (--policy budget:RATE with --threshold, or "
+                             "budget:RATE:THRESHOLD alone).")
+        return
+    if policy != "head":
+        raise UsageError(f"--threshold {threshold:g} is the recall head's threshold, but --policy {policy!r} does not "
+                         "ask the head: drop --threshold, or use --policy head.")
+
+
 def load_model_from_args(args):
     from .modeling import OdaForCausalLM
 
@@ -63,9 +78,12 @@ def load_model_from_args(args):
             raise UsageError(f"--threshold {args.threshold:g} is the recall head's threshold, but no --head is given: "
                              "add --head, or drop --threshold.")
         routing.setdefault("policy", "local")
-    elif args.threshold is not None and args.policy is not None and args.policy != "head":
-        raise UsageError(f"--threshold {args.threshold:g} is the recall head's threshold, but --policy {args.policy!r} "
-                         "does not ask the head: drop --threshold, or use --policy head.")
+    else:
+        # --policy's documented default with a head; a policy saved in the head folder ('local' or 'full') would
+        # otherwise win, leaving the head and --threshold unused
+        routing.setdefault("policy", "head")
+        if args.threshold is not None:
+            check_threshold_is_read(args.threshold, routing["policy"])
     require_model_source("--base", args.base)
     require_model_source("--head", args.head)
     with user_input("loading the model (--base/--head)",

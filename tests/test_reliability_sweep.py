@@ -72,6 +72,9 @@ BAD_INPUTS = [
     ("generate-threshold-with-policy-full", GEN + ["--head", "{root}/head", "--window", "2", "--policy", "full",
                                                    "--threshold", "0.5"],
      "--threshold 0.5 is the recall head's threshold, but --policy 'full' does not ask the head"),
+    ("generate-threshold-beside-a-budget-threshold", GEN + ["--head", "{root}/head", "--window", "2", "--policy",
+                                                            "budget:0.5:0.2", "--threshold", "0.3"],
+     "--threshold 0.3 and --policy budget:0.5:0.2 give two thresholds"),
     ("eval-thresholds-without-oda", EVAL + ["--policies", "full", "--thresholds", "0.1"],
      "--thresholds sets the thresholds of oda"),
     ("eval-paper-sweep-without-oda", EVAL + ["--policies", "full", "local", "--paper-sweep"],
@@ -105,6 +108,11 @@ BAD_INPUTS = [
                                 "{root}/good.jsonl", "--target-rate", "0.5", "--out", "{root}/cal_{n}", "--threads",
                                 "100000"], "argument --threads: must be at most"),
     ("demo-threads-huge", ["demo", "--threads", "100000"], "argument --threads: must be at most"),
+    # Options the demo did not read (exit 0): --head on the organism, --model smollm2 beside --organism.
+    ("demo-head-with-the-organism", ["demo", "--model", "organism", "--head", "{root}/missing"],
+     "--head is SmolLM2's recall head, but this demo runs the model organism"),
+    ("demo-organism-with-smollm2", ["demo", "--model", "smollm2", "--organism", "{root}/organism"],
+     "--organism runs the model organism but --model smollm2 asks for SmolLM2"),
     # 10**12 bootstrap resamples ran for hours (each resample is kept in memory).
     ("diagnose-bootstrap-huge", ["diagnose", "--base", "{root}/base", "--history", "full", "--data",
                                  "{root}/docs.jsonl", "--out", "{root}/diag_{n}", "--bootstrap", str(10**12)],
@@ -175,3 +183,20 @@ def test_demo_with_a_head_for_another_base_is_one_line(root, capsys, monkeypatch
     monkeypatch.setattr(oda_hf.known_models, "fetch_smollm2", lambda say=None: str(root / "base"))
     code, err = oda(["demo", "--model", "smollm2", "--head", root / "other_head", "--output", root / "demo_out"], capsys)
     assert_one_line_error(code, err, "demo", f"--head {root / 'other_head'}: This recall head was trained for")
+
+
+def test_generate_with_a_head_routes_with_it_and_reads_threshold(root, capsys):
+    """--policy's documented default with --head is `head`: a head folder saved with policy 'local' once ran
+    StreamingLLM with the head unused and --threshold ignored (exit 0); `budget:RATE` with --threshold was refused
+    although the budget reads that threshold."""
+    from oda_hf import OdaForCausalLM
+
+    OdaForCausalLM.from_pretrained(root / "base", head=root / "head", policy="local").save_pretrained(
+        root / "local_saved")
+    gen = [a.replace("{root}", str(root)) for a in GEN] + ["--window", "2", "--max-new-tokens", "3"]
+    code, err = oda(gen + ["--head", root / "local_saved", "--threshold", "0.5"], capsys)
+    assert code == 0, err
+    assert "policy=HeadPolicy(threshold=0.5)" in err
+    code, err = oda(gen + ["--head", root / "head", "--policy", "budget:0.5", "--threshold", "0.3"], capsys)
+    assert code == 0, err
+    assert "BudgetPolicy(rate=0.5, threshold=0.3)" in err

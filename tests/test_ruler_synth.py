@@ -258,6 +258,22 @@ def test_manifest_names_a_known_base_by_its_short_name(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "suite" / "manifest.json").read_text())["tokenizer"] == "tiny-base"
 
 
+def test_a_prompt_written_past_its_length_still_fits_the_context(tok):
+    """The nominal length passed the context check while the written prompt (up to `tolerance` longer) did not:
+    prompt + output cap past max_position_embeddings, exit 0."""
+    cap = ruler_synth.ruler_max_new_tokens("vt")
+    over = next((ex for length in range(1000, 1040)
+                 for ex in ruler_synth.generate_suite(tok, tasks=["vt"], lengths=[length], n=1, progress=False)
+                 if ex.meta["tokens"] > length), None)
+    assert over is not None, "no prompt longer than its length: the case below would not be exercised"
+    length, tokens = over.meta["length"], over.meta["tokens"]
+    with pytest.raises(ValueError, match=f"the prompt has {tokens} tokens.*max_position_embeddings={length + cap}"):
+        ruler_synth.generate_suite(tok, tasks=["vt"], lengths=[length], n=1, progress=False,
+                                   max_position_embeddings=length + cap)
+    assert ruler_synth.generate_suite(tok, tasks=["vt"], lengths=[length], n=1, progress=False,
+                                      max_position_embeddings=tokens + cap)[0].meta["tokens"] == tokens
+
+
 def test_bad_inputs_have_clear_errors(tok):
     with pytest.raises(ValueError, match=r"max_position_embeddings=2048.*longest usable length for niah_single_1 is 1920"):
         ruler_synth.generate_suite(tok, tasks=["niah_single_1"], lengths=[2000], max_position_embeddings=2048)

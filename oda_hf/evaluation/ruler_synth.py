@@ -631,11 +631,18 @@ def generate_suite(tokenizer, tasks: Sequence[str] | None = None, lengths: Seque
                         f"{task} at length {length}: the closest prompt has {tokens} tokens "
                         f"({abs(tokens - length) / length:.1%} off, above the {tolerance:.0%} tolerance): one "
                         f"haystack unit is too coarse at this length. Use a longer length or a larger tolerance.")
+                cap = ruler_max_new_tokens(task)
+                if max_position_embeddings is not None and tokens + cap > max_position_embeddings:
+                    # the prompt may be up to `tolerance` longer than `length`, which the check above allowed for
+                    raise ValueError(
+                        f"{task} at length {length}: the prompt has {tokens} tokens, and with the {cap}-token output "
+                        f"cap it passes the model's max_position_embeddings={max_position_embeddings}; use a "
+                        f"length of at most {max_position_embeddings - cap - (tokens - length)}.")
                 meta = {"split": split, "length": length, "tokens": tokens, "index": index, "seed": seed,
                         "example_seed": ctx.seed, "generator": GENERATOR, "chat_template": chat_template, **draft.meta}
                 examples.append(EvalExample(
                     id=f"{task}/{length}/{split}/{index}", task=task, answers=draft.answers,
-                    max_new_tokens=ruler_max_new_tokens(task), metric=default_metric(task), prompt=draft.prompt,
+                    max_new_tokens=cap, metric=default_metric(task), prompt=draft.prompt,
                     answer_prefix=draft.answer_prefix, meta=meta))
                 bar.update()
     bar.close()

@@ -167,6 +167,8 @@ def _run_demo_command(args) -> int:
     if wanted is not None and not wanted:
         raise UsageError("--tasks is empty; give comma-separated task names or leave it out.")
     organism_tasks = [task for task, _ in DEMO_PROMPTS]
+    if args.organism is not None and args.model == "smollm2":  # --organism chose the organism over it, exit 0
+        raise UsageError("--organism runs the model organism but --model smollm2 asks for SmolLM2: drop one of them.")
     smollm2 = args.model != "organism" and args.organism is None
     if wanted:  # checked before anything is fetched or loaded
         ruler, organism = set(RULER_TASKS), set(organism_tasks)
@@ -177,6 +179,9 @@ def _run_demo_command(args) -> int:
         if smollm2 and not set(wanted) <= ruler:  # auto: organism-only tasks choose the organism
             print(f"[oda demo] {sorted(set(wanted) - ruler)} are organism tasks only: running the model organism.\n")
             smollm2 = False
+    if args.head is not None and not smollm2:  # the organism has its own head: --head would go unread
+        raise UsageError(f"--head is SmolLM2's recall head, but this demo runs the model organism (its head is in "
+                         f"--organism's folder): drop --head, or use --model smollm2 with SmolLM2 tasks.")
     torch.set_num_threads(args.threads)
     if smollm2 and _run_smollm2(args, wanted):
         return 0
