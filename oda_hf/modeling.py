@@ -25,9 +25,9 @@ from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
 from .compat import CACHE_ARG, cache_kwargs
 from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
-from .head import RecallHead
+from .head import RecallHead, pop_push_kwargs, push_published
 from .known_models import resolve_base, resolve_head
-from .loading import HEAD_MODEL_TYPE, read_model_type, resolve_local_folder
+from .loading import HEAD_MODEL_TYPE, HUB_KWARGS, read_model_type, resolve_local_folder
 from .packed_attention import packed_attention
 from .routing import RoutingRecord
 
@@ -109,13 +109,17 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if isinstance(base, (str, os.PathLike)):
             base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
             base = resolve_base(base)  # a head may record a short name as its base ("smollm2")
+        given_head_object = isinstance(head, RecallHead) and oda_config is None and "threshold" not in routing
         if isinstance(head, (str, os.PathLike)):
             name = os.fspath(head)
             head = _load_head(name, head_kwargs or {})
-            saved = _saved_oda_config(name, head_kwargs or {})
+            folder = getattr(head, "_oda_source_folder", None) or os.path.expanduser(name)
+            saved = _saved_oda_config(name, folder, head_kwargs or {})
             if oda_config is None and saved is not None:
                 oda_config = saved
         oda_config = OdaConfig.from_kwargs(oda_config if oda_config is not None else _config_for_head(head), **routing)
+        if given_head_object:
+            _warn_unapplied_threshold(head, oda_config)
         if isinstance(base, (str, os.PathLike)):
             resolve_local_folder(base, "base model", kwargs.get("revision"))
             base = AutoModelForCausalLM.from_pretrained(base, **kwargs)
@@ -529,18 +533,21 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         return logits
 
     # -- saving ------------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory, **kwargs) -> None:
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
         """Save the recall head (config.json, model.safetensors, README.md) and the routing defaults.
 
         A policy object (RandomPolicy, SchedulePolicy) is not saved: sinks, window and threshold are,
-        with a warning saying so.
+        with a warning saying so. As `RecallHead.save_pretrained`: all files are published together, config.json
+        last; a calibration of other weights in the folder is dropped; ``push_to_hub=True`` then uploads them.
         """
         if self.recall_head is None:
             raise ValueError("There is no recall head to save: ODA never saves the base model's weights.")
-        kwargs.pop("max_shard_size", None)
-        # Routing defaults first: the head's config.json (written last, atomically) marks a complete folder.
-        self.oda_config.save_pretrained(save_directory)
-        self.recall_head.save_pretrained(save_directory, **kwargs)
+        push = pop_push_kwargs(push_to_hub, kwargs)
+        # oda_config.json is staged with the head's files: a save killed midway never leaves the old head with
+        # the new routing defaults.
+        written = self.recall_head._save_folder(save_directory, oda_config=self.oda_config, **kwargs)
+        if push is not None:
+            push_published(self, save_directory, written, **push)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the head, its generated model card and the routing defaults (never the base weights)."""
@@ -622,15 +629,38 @@ def _base_of_head_folder(name: str, head, base_kwargs: dict):
     return recorded, name
 
 
-def _saved_oda_config(name: str, head_kwargs: dict) -> OdaConfig | None:
-    if os.path.isdir(name):
-        path = os.path.join(name, ODA_CONFIG_NAME)
-        return OdaConfig.from_json_file(path) if os.path.isfile(path) else None
-    try:
+def _saved_oda_config(name: str, folder: str, head_kwargs: dict) -> OdaConfig | None:
+    """The routing defaults saved with the head `name`, read from `folder`, the one its weights were loaded from
+    (``~`` expanded, ``subfolder`` applied, or the hub snapshot)."""
+    path = os.path.join(folder, ODA_CONFIG_NAME)
+    if os.path.isfile(path):
+        return OdaConfig.from_json_file(path)
+    if os.path.isdir(os.path.expanduser(name)):
+        return None  # a local head folder without routing defaults
+    try:  # a hub id: oda_config.json is not downloaded with the head's weights
         from transformers.utils import cached_file
 
         path = cached_file(name, ODA_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False, **head_kwargs)
+                           _raise_exceptions_for_connection_errors=False,
+                           **{key: value for key, value in head_kwargs.items() if key in HUB_KWARGS})
     except OSError:
         return None
     return OdaConfig.from_json_file(path) if path else None
+
+
+def _warn_unapplied_threshold(head: RecallHead, oda_config: OdaConfig) -> None:
+    """head=<RecallHead object> brings no routing defaults: say so when its folder saved another threshold."""
+    folder = getattr(head, "_oda_source_folder", None)
+    path = os.path.join(folder, ODA_CONFIG_NAME) if folder else None
+    if path is None or not os.path.isfile(path) or not oda_config.routing_policy().uses_head:
+        return
+    try:
+        saved = OdaConfig.from_json_file(path)
+    except (OSError, ValueError):
+        return  # head=<folder> reports it
+    if saved.threshold != oda_config.threshold:
+        logger.warning(
+            f"The recall head was loaded from {folder}, whose {ODA_CONFIG_NAME} sets threshold={saved.threshold:g} "
+            f"(a calibrated one, if `oda calibrate` ran), but a RecallHead object brings no routing defaults: routing "
+            f"uses threshold={oda_config.threshold:g}. Pass head={folder!r} to use the folder's routing defaults, or "
+            f"threshold={saved.threshold:g}.")

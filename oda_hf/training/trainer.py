@@ -49,6 +49,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, logging
 from ..config import CALIBRATION_NAME, OdaConfig
 from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
+from ..head import HEAD_WEIGHT_FILES
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -487,7 +488,7 @@ class OdaTrainer(Trainer):
                           indent=2)
             if os.path.exists(calibration):
                 os.remove(calibration)   # before the new weights are published: they never sit beside it
-            publish_files(staging, output_dir, marker="config.json")
+            publish_files(staging, output_dir, marker="config.json", replaces=HEAD_WEIGHT_FILES)  # no older shard stays
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
