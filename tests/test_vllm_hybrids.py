@@ -16,8 +16,8 @@ import transformers
 
 from tiny_models import save_word_tokenizer
 from vllm_harness import (EAGER, PREEMPT_POLICIES, REPO, SINKS, SPAN, VLLM_PYTHON, VOCAB, WINDOW,
-                          check_preempted_equals_unpressed, edge_batches, hf_generate, preemption_batches, prompt,
-                          request, run_vllm, save_random_head, served_model, vllm_has_torchvision)
+                          check_preempted_equals_unpressed, edge_batches, extension, hf_generate, preemption_batches,
+                          prompt, request, run_vllm, save_random_head, served_model, vllm_has_torchvision)
 
 # ------------------------------------------------------------------------------------------------
 # A window-global hybrid: Gemma 3 (sliding-window layers keep their native window; Local restricts the global ones)
@@ -46,17 +46,16 @@ def gemma3(tmp_path_factory):
     """One stock engine and one ODA engine (prefix caching on) for a tiny Gemma 3."""
     tmp, folder, model, head, long = served_model(tmp_path_factory, "vllm_gemma3", build_gemma3, prompt_seed=11)
     batches = {**edge_batches(long), "preempt_free": preemption_batches(GEMMA_PREEMPT_PROMPTS, 150)[0]}
+    # a prompt that extends a Local request's prompt and output: only the prompt's blocks may be reused
+    batches["extended"] = [extension(list(batches), "local", 6, long[6], prompt(5, seed=98), policy="full",
+                                     logprobs=1)]
     oda = run_vllm(tmp, "oda", folder, list(batches.values()), oda={"head": head, "sinks": SINKS, "window": WINDOW},
                    enable_prefix_caching=True, one_process=False)
     results = dict(zip(batches, oda))
-    # a prompt that extends a Local request's prompt and output: only the prompt's blocks may be reused
     extended = long[6] + results["local"]["outputs"][6]["tokens"] + prompt(5, seed=98)
-    follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")],
-                                                  [request(extended, policy="full", logprobs=1)]],
-                      oda={"head": head, "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True, **EAGER)
     stock = run_vllm(tmp, "stock", folder, [batches["full"], [request(extended, logprobs=1)]], oda=None,
                      enable_prefix_caching=False, **EAGER)
-    return dict(model=model, head=head, long=long, oda=results, follow=follow, stock=stock)
+    return dict(model=model, head=head, long=long, oda=results, stock=stock)
 
 
 GEMMA_PREEMPT_PROMPTS = [prompt(100, seed=300 + i) for i in range(4)]
@@ -101,7 +100,7 @@ def test_gemma3_head_decisions_and_tokens_match_transformers_path(gemma3):
 
 
 def test_gemma3_prefix_caching_reuses_prompt_blocks_only(gemma3):
-    ours = gemma3["follow"][1]["outputs"][0]
+    ours = gemma3["oda"]["extended"]["outputs"][0]
     cold = gemma3["stock"][1]["outputs"][0]
     assert ours["num_cached_tokens"] == len(gemma3["long"][6]) // 32 * 32
     assert ours["tokens"] == cold["tokens"]

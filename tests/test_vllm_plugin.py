@@ -17,8 +17,8 @@ import transformers
 
 from oda_hf import BudgetPolicy, OdaForCausalLM, RandomPolicy, SchedulePolicy
 from vllm_harness import (EAGER, EDGE_LENGTHS, PREEMPT_PROMPTS, REPO, SAMPLING, SINKS, SPAN, VLLM_PYTHON, WINDOW,
-                          build_model, check_preempted_equals_unpressed, hf_generate, preemption_batches, prompt,
-                          request, run_vllm)
+                          build_model, check_preempted_equals_unpressed, extension, hf_generate, preemption_batches,
+                          prompt, request, run_vllm)
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +49,20 @@ def gqa3(tmp_path_factory):
         # the requests of the preemption test, without memory pressure
         "preempt_free": preemption_batches(PREEMPT_PROMPTS, 60)[0],
     }
+    # prefix reuse: a request whose prompt extends an earlier ODA request's prompt and Local output
+    batches["extended"] = [extension(list(batches), "local", 6, long[6], prompt(5, seed=99), policy="full",
+                                     logprobs=1)]
     order = list(batches)
     oda = run_vllm(tmp, "oda", folder, [batches[name] for name in order],
-                   oda={"head": head, "sinks": SINKS, "window": WINDOW}, one_process=False)
+                   oda={"head": head, "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True, one_process=False)
     results = dict(zip(order, oda))
-    # prefix reuse: a request whose prompt extends an earlier ODA request's prompt and Local output
-    first = results["local"]["outputs"][6]["tokens"]
-    extended = long[6] + first + prompt(5, seed=99)
-    follow = run_vllm(tmp, "oda_follow", folder, [[request(long[6], policy="local")], [request(extended,
-                      policy="full", logprobs=1)]], oda={"head": head, "sinks": SINKS, "window": WINDOW},
-                      enable_prefix_caching=True, **EAGER)
+    extended = long[6] + results["local"]["outputs"][6]["tokens"] + prompt(5, seed=99)
     # stock vLLM: the Full batch, seeded samples, and the extension read cold (its engine has no prefix cache)
     stock_sampled = [request(long[5], sampling=SAMPLING[0]), request(long[6], sampling=SAMPLING[1])]
     stock = run_vllm(tmp, "stock", folder, [batches["full"], stock_sampled, [request(extended, logprobs=1)]],
                      oda=None, enable_prefix_caching=False, **EAGER)
     return dict(model=model, head=head, long=long, batches=batches, stock=stock[0], stock_sampled=stock[1],
-                oda=results, follow=follow, cold=stock[2])
+                oda=results, cold=stock[2])
 
 
 def test_always_full_equals_stock_vllm(gqa3):
@@ -193,7 +191,7 @@ def test_bad_requests_fail_alone_and_the_engine_keeps_serving(gqa3):
 def test_extending_an_oda_request_reads_a_cold_full_prefill(gqa3):
     """Prefix caching on: the extension reuses the earlier prompt's blocks (written by its Full prefill) and none of
     the blocks its Local decode steps wrote, so it gets what a cold Full prefill gives."""
-    ours = gqa3["follow"][1]["outputs"][0]
+    ours = gqa3["oda"]["extended"]["outputs"][0]
     cold = gqa3["cold"]["outputs"][0]
     prompt_blocks = len(gqa3["long"][6]) // 32 * 32          # 150-token prompt: 4 full blocks of 32
     assert ours["num_cached_tokens"] == prompt_blocks         # without the cap: 160, a block of Local decode KV
@@ -250,9 +248,10 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     folder = os.path.dirname(gqa3["head"])
     oda = os.path.join(os.path.dirname(VLLM_PYTHON), "oda")
     log = open(tmp_path / "serve.log", "w")
+    # eager: the fixture's first engine runs the compiled model; the server's own compile would add a minute here
     server = subprocess.Popen([oda, "serve", "--base", folder, "--head", gqa3["head"], "--sinks", str(SINKS),
                                "--window", str(WINDOW), "--port", str(port), "--", "--max-model-len", "1024",
-                               "--block-size", "32", "--seed", "0"],
+                               "--block-size", "32", "--seed", "0", "--enforce-eager"],
                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
                                    "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -286,6 +285,10 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert seen["sampled"]["choices"] == 4 and len(sampled["requests"]) == 4, sampled
     assert all(r["routed_steps"] == 5 and r["policy"] == "schedule:1:2" for r in sampled["requests"].values())
     assert "sometimes" in seen["bad_policy"] and "oda_threshold" in seen["bad_threshold"]
+    assert "inside vllm_xargs" in seen["top_level"] and "does not route beam search" in seen["beam"]
+    stopped = seen["stopped"]
+    assert stopped["finish_reason"] == "stop" and stopped["tokens"] < 10
+    assert stopped["routing"]["routed_steps"] == stopped["tokens"] - 1
     assert seen["after_bad"] == seen["completion"]["text"]
     metrics = dict(line.split() for line in seen["metrics"])
     assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 4 * 5 + 9

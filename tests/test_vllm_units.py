@@ -328,7 +328,13 @@ def flash_cache(num_blocks, heads, block, dim):
     return torch.zeros(2, num_blocks, block, heads, dim)
 
 
-@pytest.mark.parametrize("make,backend", [(cpu_cache, "CPU_ATTN"), (flash_cache, "FLASH_ATTN")])
+def flash_cache_4d(num_blocks, heads, block, dim):
+    """vLLM 0.32's FlashAttention cache: [num_blocks, Hkv, block_size, 2 * D]."""
+    return torch.zeros(num_blocks, heads, block, 2 * dim)
+
+
+@pytest.mark.parametrize("make,backend", [(cpu_cache, "CPU_ATTN"), (flash_cache, "FLASH_ATTN"),
+                                          (flash_cache_4d, "FLASH_ATTN")])
 @pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 6), (1, 7)])
 def test_local_gather_matches_the_reference(make, backend, kv_heads, heads):
     """The served Local path (flat indices built once, then one gather each for keys and values, SDPA) against the
@@ -465,3 +471,143 @@ def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
                          (config(cache_dtype="fp8_e5m2"), "quantized KV cache .kv_cache_dtype='fp8_e5m2'")):
         with pytest.raises(ValueError, match=message):
             check_engine_features(bad)
+
+
+def test_oda_serve_refuses_flags_that_would_replace_its_own():
+    """`oda serve -- --hf-overrides ...` once replaced ODA's architecture and settings (flags after `--` win): stock
+    vLLM under ODA's worker, every request Full, exit 0."""
+    from types import SimpleNamespace
+
+    from oda_hf.vllm.server import serve_argv
+
+    args = SimpleNamespace(base="organism", head=None, sinks=None, window=None, threshold=None, policy="local",
+                           dtype="float32", host="127.0.0.1", port=8000)
+    for flags in (["--hf-overrides", '{"max_position_embeddings": 2048}'], ["--hf_overrides={}"],
+                  ["--model", "other"], ["--model=other"], ["--worker-cls", "x.Worker"]):
+        with pytest.raises(ValueError, match="would replace what `oda serve` sets itself"):
+            serve_argv(args, ["--max-model-len", "512", *flags])
+
+
+def test_an_engine_threshold_beside_a_budget_with_its_own_is_refused(tmp_path):
+    """`--threshold 0.1 --policy budget:0.25:0.5` once served 0.5 as the default threshold of every request, those
+    asking for `head` too."""
+    from oda_hf import RecallHead, RecallHeadConfig
+
+    RecallHead(RecallHeadConfig(hidden_size=8, head_width=4)).save_pretrained(tmp_path / "head")
+    head = str(tmp_path / "head")
+    with pytest.raises(ValueError, match="give two thresholds"):
+        ServingSettings.resolve(head, threshold=0.1, policy="budget:0.25:0.5")
+    assert ServingSettings.resolve(head, threshold=0.1, policy="budget:0.25").default_routing.threshold == 0.1
+    assert ServingSettings.resolve(head, policy="budget:0.25:0.5").default_routing.threshold == 0.5
+    same = ServingSettings.resolve(head, threshold=0.5, policy="budget:0.25:0.5")
+    assert ServingSettings.from_override(same.to_override()) == same   # what the engine reads back
+
+
+def test_the_server_refuses_knobs_outside_vllm_xargs_and_beam_search():
+    """vLLM ignores unknown top-level fields: a body's ``oda_policy`` there was served with the engine's default. Beam
+    search sends each step as a new one-token request, so none of it is routed."""
+    from oda_hf.vllm.server import refusal
+
+    assert "inside vllm_xargs" in refusal({"prompt": "x", "oda_policy": "local"})
+    assert "'ODA_Threshold'" in refusal({"messages": [], "ODA_Threshold": 0.5})
+    assert "does not route beam search" in refusal({"prompt": "x", "use_beam_search": True, "n": 2})
+    assert refusal({"prompt": "x", "vllm_xargs": {"oda_policy": "local"}, "use_beam_search": False}) is None
+    assert refusal(["not", "a", "dict"]) is None
+
+
+def test_records_trimmed_to_the_returned_tokens():
+    """vLLM matches a stop string outside the engine and aborts the request after the engine has run past it: the
+    records counted steps no output holds (measured: 7 routed steps for 7 returned tokens)."""
+    from types import SimpleNamespace
+
+    from oda_hf.vllm import routing_stats
+    from oda_hf.vllm.requests import trimmed
+
+    state = RequestState(RequestRouting("head"))
+    for decided, full in [(False, False), (False, False), (True, True), (True, False), (True, True), (True, True)]:
+        state.record(full, 0.5 if decided else math.nan, decided_step=decided)
+    record = state.summary()
+    cut = trimmed(record, 4)
+    assert (cut["routed_steps"], cut["decided_steps"], cut["full_calls"]) == (4, 2, 1)
+    assert cut["decisions"] == [False, False, True, False] and cut["scores"] == [None, None, 0.5, 0.5]
+    assert cut["full_call_rate"] == 0.5
+    assert trimmed(record, 1)["decided_steps"] == 0 and trimmed(record, 0)["routed_steps"] == 0
+    assert trimmed(record, 6) is record and trimmed(record, 9) is record
+
+    class LLM:
+        def collective_rpc(self, name):
+            return [{"requests": {"0-92cc8161": record, "0_1-92cc8161": record, "1_1-92cc8161": record}}]
+
+    def output(rid, *lengths):
+        return SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(index=k, token_ids=[7] * n)
+                                                        for k, n in enumerate(lengths)])
+
+    stats = routing_stats(LLM(), [output("0", 4), output("1", 7, 3)])
+    assert [r["routed_steps"] for r in stats["requests"].values()] == [3, 6, 2]
+    assert stats["routed_steps"] == 11
+
+
+def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(monkeypatch):
+    """Two requests with one X-Request-Id were one record (the later overwrote the earlier); /metrics' totals fell
+    once the worker dropped its oldest finished records."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import oda_hf.vllm.runner as runner_module
+    from oda_hf.vllm.runner import OdaRunnerMixin
+    from oda_hf.vllm.server import _matching, metric_totals
+
+    local, full = (RequestState(RequestRouting(policy)) for policy in ("local", "full"))
+    for _ in range(5):
+        local.record(False)
+        full.record(True)
+    records = {"cmpl-retry-1-0-1a2b3c4d": local.summary(), "cmpl-retry-1-0-5e6f7a8b": full.summary()}
+    matched = _matching(records, "cmpl-retry-1")
+    assert list(matched) == ["cmpl-retry-1-0", "cmpl-retry-1-0-5e6f7a8b"]
+    assert sum(r["full_calls"] for r in matched.values()) == 5
+
+    class Stock:
+        def _on_request_state_removed(self, req_id, req_state):
+            pass
+
+    monkeypatch.setattr(runner_module, "FINISHED_KEPT", 2)
+    runner = object.__new__(type("Runner", (OdaRunnerMixin, Stock), {}))
+    runner.oda_model = SimpleNamespace(oda_settings=SimpleNamespace(default_routing=DEFAULT))
+    runner.oda_states, runner.oda_finished = {}, OrderedDict()
+    runner.oda_evicted = {"requests": 0, "full_calls": 0, "decided_steps": 0, "routed_steps": 0}
+    seen = []
+    for i in range(4):
+        state = RequestState(RequestRouting("full"))
+        for _ in range(5):
+            state.record(True)
+        runner.oda_states[str(i)] = state
+        runner._on_request_state_removed(str(i), None)
+        stats = runner.oda_routing_stats()
+        seen.append(metric_totals(stats["requests"], stats["evicted"])["full_calls"])
+    assert seen == [5, 10, 15, 20] and len(runner.oda_finished) == 2
+
+
+def test_a_gpu_engine_is_eager_and_schedules_synchronously(monkeypatch):
+    """vLLM's GPU default schedules a step before the last one's tokens are known; ODA's runner assumes synchronous
+    steps (what the CPU platform forces, where it is tested)."""
+    import oda_hf.vllm as plugin
+
+    monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaGPUWorker")
+    kwargs = engine_args("organism", policy="local")
+    assert kwargs["enforce_eager"] is True and kwargs["async_scheduling"] is False
+    monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
+    assert "async_scheduling" not in engine_args("organism", policy="local")
+
+
+def test_flash_layout_of_vllm_0_32_matches_how_its_kernels_split_the_cache():
+    """vLLM 0.32's FlashAttention reads keys and values as ``kv_cache.transpose(1, 2).split(D, -1)``
+    ([num_blocks, block_size, Hkv, D] each): the layout's views must address the same elements. A 4-D cache once
+    failed to unpack as the 5-D layout of earlier versions."""
+    from oda_hf.vllm.attention import paged_layout
+
+    cache = torch.arange(3 * 2 * 4 * 6, dtype=torch.float32).reshape(3, 2, 4, 6)   # 3 blocks, 2 heads, block 4, D 3
+    keys, values = paged_layout("FLASH_ATTN", cache).views(cache)
+    vllm_keys, vllm_values = cache.transpose(1, 2).split(3, dim=-1)
+    assert torch.equal(keys, vllm_keys.transpose(1, 2)) and torch.equal(values, vllm_values.transpose(1, 2))
+    with pytest.raises(NotImplementedError, match="3-D cache of shape"):
+        paged_layout("FLASH_ATTN", torch.zeros(3, 4, 6))

@@ -38,6 +38,18 @@ def main(port: int, model: str, ids: list) -> None:
             seen[name] = None
         except openai.BadRequestError as err:
             seen[name] = str(err)
+    for name, body in {"top_level": {"oda_policy": "local"}, "beam": {"use_beam_search": True, "n": 2}}.items():
+        try:
+            client.completions.create(model=model, prompt=ids, max_tokens=4, extra_body=body)
+            seen[name] = None
+        except openai.BadRequestError as err:
+            seen[name] = str(err)
+    # a stop string is matched outside the engine, which runs on meanwhile: the record counts returned tokens only
+    stop = " " + seen["completion"]["text"].split()[4]
+    stopped = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, stop=[stop],
+                                        extra_body={"vllm_xargs": {"oda_policy": "local"}})
+    seen["stopped"] = {"finish_reason": stopped.choices[0].finish_reason, "tokens": stopped.usage.completion_tokens,
+                       "routing": stopped.model_extra.get("oda_routing")}
     after = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
                                       extra_body={"vllm_xargs": {"oda_policy": "local"}})
     seen["after_bad"] = after.choices[0].text

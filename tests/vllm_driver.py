@@ -4,7 +4,8 @@ Run by `run_vllm` in tests/vllm_harness.py with the vLLM environment's Python (v
 own environment, see README): ``python vllm_driver.py spec.json out.json``. Spec: ``{"engine": {...}, "oda": {...}
 or null, "batches": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}, "logprobs": k, "ignore_eos": bool (default true),
 "sampling": {"temperature": t, "top_p": p, "seed": s, "n": n} (default greedy), "lora": [name, id, folder] (default
-none)}, ...], ...]}``. Each
+none)}, ...], ...]}``. Instead of "prompt", "prompt_parts" joins token lists and ``{"output_of": [batch, row]}``,
+an earlier batch's output tokens on this engine (a request that extends an earlier one's prompt and output). Each
 batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) records its error and the next batch runs
 on the same engine. ``"one_process": true`` runs the engine core and its worker inside this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor): the same scheduler, runner and model, without the two
@@ -43,8 +44,8 @@ def main(spec_path: str, out_path: str) -> None:
                   for req in batch]
         try:
             loras = [LoRARequest(*req["lora"]) if req.get("lora") else None for req in batch]
-            outputs = llm.generate([{"prompt_token_ids": req["prompt"]} for req in batch], params, use_tqdm=False,
-                                   lora_request=loras if any(loras) else None)
+            outputs = llm.generate([{"prompt_token_ids": prompt_of(req, results)} for req in batch], params,
+                                   use_tqdm=False, lora_request=loras if any(loras) else None)
         except Exception as err:  # a rejected request: recorded, and the engine must go on serving
             results.append({"error": f"{type(err).__name__}: {err}"})
             continue
@@ -64,6 +65,18 @@ def main(spec_path: str, out_path: str) -> None:
         results.append({"outputs": rows})
     with open(out_path, "w") as f:
         json.dump(results, f)
+
+
+def prompt_of(req: dict, results: list) -> list:
+    if "prompt_parts" not in req:
+        return req["prompt"]
+    ids = []
+    for part in req["prompt_parts"]:
+        if isinstance(part, dict):
+            batch, row = part["output_of"]
+            part = results[batch]["outputs"][row]["tokens"]
+        ids += part
+    return ids
 
 
 if __name__ == "__main__":

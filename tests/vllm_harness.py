@@ -124,6 +124,15 @@ def request(ids, max_tokens=12, policy=None, threshold=None, logprobs=None, samp
             "sampling": sampling}
 
 
+def extension(batches: list, name: str, row: int, before: list, after: list, **kwargs) -> dict:
+    """A request whose prompt is `before` + the output of row `row` of the batch called `name` (served earlier on the
+    same engine; `batches` lists the names in serving order) + `after` (see vllm_driver.py's "prompt_parts")."""
+    req = request(None, **kwargs)
+    del req["prompt"]
+    req["prompt_parts"] = [before, {"output_of": [batches.index(name), row]}, after]
+    return req
+
+
 SAMPLING = [dict(temperature=0.8, top_p=0.9, seed=5, n=2), dict(temperature=1.0, seed=11, n=1)]
 
 

@@ -28,6 +28,7 @@ from .requests import (  # noqa: F401
     pooled,
     records_of,
     request_routing,
+    trimmed,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         kwargs.update(_qwen3_5_settings(folder, overrides))
     if not kwargs["worker_cls"].endswith("OdaCPUWorker"):
         kwargs["enforce_eager"] = True   # no CUDA graphs for ODA's routed step (see model.py); never run here
+        # Asynchronous scheduling (vLLM's GPU default) schedules a step before the last one's tokens are known; ODA's
+        # runner was built and tested with synchronous steps only (the CPU platform forces them)
+        kwargs["async_scheduling"] = False
     kwargs.update(vllm_kwargs)
     return kwargs
 
@@ -181,6 +185,8 @@ def routing_stats(llm, outputs=None) -> dict:
     Per request: ``policy``, ``routed_steps`` (outputs after the first), ``decided_steps`` (those past sinks +
     window), ``full_calls``, ``full_call_rate`` (Full / decided), ``decisions`` and ``scores`` per routed step.
     A request with ``n > 1`` samples has one record per sample, keyed ``<k>_<request id>`` as vLLM names them.
+    With `outputs`, each record counts only the steps of the tokens returned (`requests.trimmed`: after a stop string
+    the engine has run a step or more that no output holds).
     """
     stats = llm.collective_rpc("oda_routing_stats")[0]
     by_request = {external_request_id(rid): value for rid, value in stats["requests"].items()}
@@ -188,6 +194,10 @@ def routing_stats(llm, outputs=None) -> dict:
         chosen, missing = {}, []
         for out in outputs:
             records = records_of(by_request, out.request_id)  # one per sample of an n > 1 request
+            for completion in out.outputs:
+                key = out.request_id if out.request_id in records else f"{completion.index}_{out.request_id}"
+                if key in records:
+                    records[key] = trimmed(records[key], len(completion.token_ids) - 1)
             chosen.update(records)
             if not records:
                 missing.append(out.request_id)

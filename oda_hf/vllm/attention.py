@@ -107,14 +107,22 @@ def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = No
         per_head = 2 * block * dim
         return PagedLayout((num_blocks, heads, block, dim), (heads * per_head, per_head, 1, block),
                            (heads * per_head, per_head, dim, 1), 0, block * dim)
-    if backend_name.startswith("FLASH_ATTN") or backend_name in ("TRITON_ATTN", "FLASHINFER"):
-        # [2, num_blocks, block_size, Hkv, D] (never run here: no GPU)
+    if backend_name.startswith("FLASH_ATTN") and kv_cache.dim() == 4:
+        # vLLM 0.32's FlashAttention: [num_blocks, Hkv, block_size, 2 * D], keys then values of each position (its
+        # kernels read `kv_cache.transpose(1, 2).split(D, -1)`; never run here: no GPU)
+        num_blocks, heads, block, two_dims = kv_cache.shape
+        dim = two_dims // 2
+        strides = (heads * block * two_dims, block * two_dims, two_dims, 1)
+        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, dim)
+    if (backend_name.startswith("FLASH_ATTN") or backend_name in ("TRITON_ATTN", "FLASHINFER")) and kv_cache.dim() == 5:
+        # earlier vLLM: [2, num_blocks, block_size, Hkv, D] (never run here: no GPU)
         _, num_blocks, block, heads, dim = kv_cache.shape
         strides = (block * heads * dim, dim, heads * dim, 1)
         return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, num_blocks * block * heads * dim)
     raise NotImplementedError(
-        f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend; "
-        "serve ODA with CPU_ATTN (vLLM's CPU build) or FLASH_ATTN."
+        f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend (a "
+        f"{kv_cache.dim()}-D cache of shape {tuple(kv_cache.shape)}); serve ODA with CPU_ATTN (vLLM's CPU build) or "
+        "FLASH_ATTN."
     )
 
 

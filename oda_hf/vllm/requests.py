@@ -201,6 +201,24 @@ def _is_sub_request(rid: str, request_id: str) -> bool:
     return len(rest) > 1 and rest[0] in "-_" and rest[1:].isdigit()
 
 
+def trimmed(record: dict, steps: int) -> dict:
+    """`record` as if only its first `steps` routed steps had run. A stop string is matched outside the engine
+    (vLLM's output processor), which then aborts the request: by then the engine has run one step or more beyond
+    it, routed and counted like any other, whose tokens are never returned. Steps within sinks + window come first
+    (positions only grow), so the dropped ones are decided unless fewer than the undecided remain."""
+    extra = record["routed_steps"] - max(0, steps)
+    if extra <= 0:
+        return record
+    steps = max(0, steps)
+    undecided = record["routed_steps"] - record["decided_steps"]
+    decisions = record["decisions"][:steps]
+    decided = max(0, steps - undecided)
+    full = sum(decisions)
+    return {**record, "routed_steps": steps, "decided_steps": decided, "full_calls": full,
+            "full_call_rate": full / decided if decided else 0.0, "decisions": decisions,
+            "scores": record["scores"][:steps]}
+
+
 def pooled(requests: dict) -> dict:
     """Per-request summaries and their totals; the pooled Full-call rate is Full / decided steps over them."""
     full = sum(v["full_calls"] for v in requests.values())

@@ -61,6 +61,8 @@ class OdaRunnerMixin:
         self.oda_model = model if isinstance(model, OdaCausalLMMixin) else None
         self.oda_states: dict[str, RequestState] = {}
         self.oda_finished: OrderedDict[str, dict] = OrderedDict()
+        # counts of the finished records dropped beyond FINISHED_KEPT: /metrics' totals never fall
+        self.oda_evicted = {"requests": 0, "full_calls": 0, "decided_steps": 0, "routed_steps": 0}
         if self.oda_model is not None:
             model.oda_runner_attached = True
             if model.oda_head is not None:
@@ -79,7 +81,10 @@ class OdaRunnerMixin:
         if state is not None:
             self.oda_finished[req_id] = state.summary()
             while len(self.oda_finished) > FINISHED_KEPT:
-                self.oda_finished.popitem(last=False)
+                _, dropped = self.oda_finished.popitem(last=False)
+                self.oda_evicted["requests"] += 1
+                for key in ("full_calls", "decided_steps", "routed_steps"):
+                    self.oda_evicted[key] += dropped[key]
 
     def _update_streaming_request(self, req_id, new_req_data):
         # The next turn of a streaming-input session (vLLM's resumable requests: one request id, turn after turn). Its
@@ -94,8 +99,11 @@ class OdaRunnerMixin:
         return req_state
 
     def oda_routing_stats(self) -> dict:
-        """Counts per engine request id (finished and running) and the pooled Full-call rate over them."""
-        return pooled({**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}})
+        """Counts per engine request id (finished and running) and the pooled Full-call rate over them; `evicted`:
+        the summed counts of the finished records no longer kept."""
+        stats = pooled({**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}})
+        stats["evicted"] = dict(self.oda_evicted)
+        return stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):

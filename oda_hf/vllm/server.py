@@ -10,7 +10,11 @@ this module's middleware, which adds:
 * ``oda_routing`` in every non-streaming ``/v1/completions`` and ``/v1/chat/completions`` response (a streaming
   client reads the record from ``/v1/oda/routing`` with the id of its chunks);
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
-  ``oda_pooled_full_call_rate`` on ``/metrics``, over the requests the engine keeps records of.
+  ``oda_pooled_full_call_rate`` on ``/metrics``, over every request the engine has served.
+
+A stop string is matched outside the engine, which has then run a step or more past it: a response's ``oda_routing``
+counts only the steps of its returned tokens when it has one choice; ``/v1/oda/routing``, ``/metrics`` and the
+records of several choices include those steps.
 
 A request picks its routing in the body's ``vllm_xargs``: ``{"oda_policy": "random:0.25", "oda_threshold": 0.1}``.
 """
@@ -26,44 +30,89 @@ ROUTING_PATH = "/v1/oda/routing"
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-async def _records(app) -> dict:
+async def _stats(app) -> dict:
+    """The engine's routing stats: records keyed by engine request id, and `evicted` counts."""
+    return (await app.state.engine_client.collective_rpc("oda_routing_stats"))[0]
+
+
+def _by_caller_id(records: dict) -> dict:
+    """Engine-keyed records keyed by the ids callers know (vLLM's ``-<8 hex>`` suffix dropped). Two requests can
+    share one (an ``X-Request-Id`` header or a body ``request_id`` used twice): the later keeps its engine id."""
     from . import external_request_id
 
-    stats = await app.state.engine_client.collective_rpc("oda_routing_stats")
-    return {external_request_id(rid): value for rid, value in stats[0]["requests"].items()}
+    keyed = {}
+    for rid, value in records.items():
+        key = external_request_id(rid)
+        keyed[key if key not in keyed else rid] = value
+    return keyed
 
 
 def _matching(records: dict, request_id: str) -> dict:
-    """Records of one OpenAI response id: the id itself, its per-prompt ids (``ID-0``, ``ID-1``, ...) and the samples
-    of each (``0_ID``, ``1_ID``, ... when the request asks for ``n > 1``)."""
+    """Records of one OpenAI response id (`records` keyed by engine id): the id itself, its per-prompt ids (``ID-0``,
+    ``ID-1``, ...) and the samples of each (``0_ID``, ``1_ID``, ... when the request asks for ``n > 1``)."""
+    from . import external_request_id
     from .requests import records_of
 
-    return records_of(records, request_id, sub_requests=True)
+    return _by_caller_id({rid: value for rid, value in records.items()
+                          if records_of({external_request_id(rid): value}, request_id, sub_requests=True)})
+
+
+def metric_totals(records: dict, evicted: dict | None = None) -> dict:
+    """/metrics' totals: the kept records pooled, plus the counts of those the engine no longer keeps (the counters
+    never fall)."""
+    from .requests import pooled
+
+    total = pooled(records)
+    for key in ("full_calls", "decided_steps", "routed_steps"):
+        total[key] += (evicted or {}).get(key, 0)
+    total["pooled_full_call_rate"] = total["full_calls"] / total["decided_steps"] if total["decided_steps"] else 0.0
+    return total
+
+
+def refusal(body) -> str | None:
+    """Why ODA answers a completion request's JSON body with HTTP 400 before vLLM reads it (None: serve it).
+
+    vLLM accepts unknown top-level fields and ignores them, so ``{"oda_policy": "local"}`` outside ``vllm_xargs`` was
+    served with the engine's default; beam search sends every step to the engine as a new one-token request (a Full
+    prefill, its ``vllm_xargs`` dropped), so nothing of it is routed whatever the request asks."""
+    from .requests import is_oda_key
+
+    if not isinstance(body, dict):
+        return None
+    misplaced = [key for key in body if is_oda_key(key)]
+    if misplaced:
+        return (f"ODA's request keys go inside vllm_xargs ({{\"vllm_xargs\": {{\"oda_policy\": ...}}}}); "
+                f"{', '.join(map(repr, misplaced))} at the top level of the body would be ignored.")
+    if body.get("use_beam_search"):
+        return ("ODA does not route beam search: vLLM runs each beam step as a new one-token request, whose only "
+                "token comes from a Full prefill, so no step would be routed. Decode without use_beam_search, or "
+                "serve beam search without ODA.")
+    return None
 
 
 async def oda_routing_middleware(request, call_next):
     """ASGI middleware for vLLM's API server (``--middleware oda_hf.vllm.server.oda_routing_middleware``)."""
     from starlette.responses import JSONResponse, Response
 
-    from .requests import pooled
+    from .requests import pooled, trimmed
     from .settings import note_served_head_from_config
 
     # Before admission checks this request: a server started by hand has not yet recorded whether it has a head.
     note_served_head_from_config(getattr(request.app.state, "vllm_config", None))
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
-        records = await _records(request.app)
+        records = (await _stats(request.app))["requests"]
         wanted = request.query_params.get("request_id")
-        if wanted is not None:
-            records = _matching(records, wanted)
-            if not records:
-                return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
+        records = _by_caller_id(records) if wanted is None else _matching(records, wanted)
+        if wanted is not None and not records:
+            return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
         return JSONResponse(pooled(records))
     if path == "/metrics" and request.method == "GET":
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
-        total = pooled(await _records(request.app))
-        lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps (requests with a record).",
+        stats = await _stats(request.app)
+        total = metric_totals(stats["requests"], stats.get("evicted"))
+        lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps.",
                  "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
                  "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
                  "# TYPE oda_decided_steps_total counter", f"oda_decided_steps_total {total['decided_steps']}",
@@ -75,6 +124,14 @@ async def oda_routing_middleware(request, call_next):
         headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         return Response(body + ("\n".join(lines) + "\n").encode(), status_code=response.status_code,
                         headers=headers)
+    if path in COMPLETION_PATHS and request.method == "POST":
+        try:
+            why = refusal(json.loads(await request.body()))
+        except ValueError:   # not JSON: vLLM answers that itself
+            why = None
+        if why is not None:
+            return JSONResponse({"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}},
+                                status_code=400)
     response = await call_next(request)
     if path not in COMPLETION_PATHS or response.status_code != 200 or \
             not response.headers.get("content-type", "").startswith("application/json"):
@@ -84,16 +141,36 @@ async def oda_routing_middleware(request, call_next):
         data = json.loads(body)
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
-    records = _matching(await _records(request.app), str(data.get("id", "")))
+    records = _matching((await _stats(request.app))["requests"], str(data.get("id", "")))
+    choices, usage = data.get("choices") or [], data.get("usage") or {}
+    if len(records) == 1 and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
+        # one output: count only its returned tokens' steps (the engine runs past a stop string; `trimmed`)
+        (key, record), = records.items()
+        records = {key: trimmed(record, usage["completion_tokens"] - 1)}
     if records:
         data["oda_routing"] = pooled(records)
     return JSONResponse(data, status_code=response.status_code)
+
+
+# Flags `oda serve` sets itself: given again after `--` they would win and replace ODA's model class and settings (a
+# user's --hf-overrides served stock vLLM under ODA's worker, every request Full, with exit 0).
+OWN_FLAGS = {"--model": "--base", "--hf-overrides": "--base / --head / --sinks / --window / --threshold / --policy",
+             "--worker-cls": "nothing (ODA's worker is required)"}
+
+
+def check_passthrough(passthrough: list[str]) -> None:
+    for arg in passthrough:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name in OWN_FLAGS:
+            raise ValueError(f"{arg.split('=', 1)[0]} after `--` would replace what `oda serve` sets itself (ODA's "
+                             f"model class and settings); use {OWN_FLAGS[name]} instead.")
 
 
 def serve_argv(args, passthrough: list[str]) -> list[str]:
     """The API server's command line for `args` (``python -m`` + this list is what `oda serve` runs)."""
     from . import engine_args
 
+    check_passthrough(passthrough)
     kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
                          policy=args.policy)
     return ["vllm.entrypoints.openai.api_server", "--model", kwargs.pop("model"),

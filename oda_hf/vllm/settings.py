@@ -125,6 +125,10 @@ class ServingSettings:
         if policy is None:
             policy = routing.policy if head is not None else "local"
         default = parse_policy(policy, routing.threshold)
+        if threshold is not None and default.policy == "budget" and default.threshold != routing.threshold:
+            # the budget's own threshold would also become the default of requests that pick `head`
+            raise ValueError(f"threshold={threshold} and policy={policy!r} give two thresholds: give it once "
+                             "(threshold=T with policy 'budget:RATE', or 'budget:RATE:T' alone).")
         if default.policy in ("head", "budget") and head is None:
             raise ValueError(f"policy {default.policy!r} needs a recall head: pass head=<folder> (or policy full/local/random/"
                              "schedule for a baseline without one).")
