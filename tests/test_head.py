@@ -122,12 +122,13 @@ def test_threshold_controls_the_rate():
 
 
 class FakeHubApi:
-    """Stands in for huggingface_hub.HfApi: records what push_to_hub would upload."""
+    """Stands in for huggingface_hub.HfApi: records the repos made and what push_to_hub would upload."""
 
     def __init__(self):
-        self.uploaded = {}
+        self.repos, self.uploaded = [], {}
 
     def create_repo(self, repo_id, **kwargs):
+        self.repos.append(repo_id)
         return type("Repo", (), {"repo_id": repo_id})()
 
     def create_commit(self, repo_id, operations, **kwargs):

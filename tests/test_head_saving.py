@@ -10,6 +10,7 @@ import torch
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.config import CALIBRATION_NAME, ODA_CONFIG_NAME
 from oda_hf.evaluation.calibration import save_calibration
+from test_head import FakeHubApi
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,23 +127,6 @@ def test_head_is_saved_unsharded_and_stale_weight_files_are_removed(base, tmp_pa
 
 
 # -- 5. save_pretrained(push_to_hub=True) pushes the published folder --------------------------------------------------
-class FakeHubApi:
-    """Stands in for huggingface_hub.HfApi: records the repo and what would be uploaded."""
-
-    def __init__(self):
-        self.repos, self.uploaded = [], {}
-
-    def create_repo(self, repo_id, **kwargs):
-        self.repos.append(repo_id)
-        return type("Repo", (), {"repo_id": repo_id})()
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        for op in operations:
-            with open(op.path_or_fileobj, "rb") as f:
-                self.uploaded[op.path_in_repo] = f.read()
-        return type("Commit", (), {"commit_url": f"https://hub.invalid/{repo_id}"})()
-
-
 @pytest.mark.parametrize("which", ["head", "wrapper"])
 def test_save_pretrained_with_push_to_hub_uploads_the_saved_folder(base, tmp_path, monkeypatch, which):
     import transformers.utils.hub as hub
