@@ -162,3 +162,16 @@ def test_head_object_from_a_folder_with_a_threshold_warns(base, tmp_path, caplog
         OdaForCausalLM.from_pretrained(base, head=head, threshold=0.2)  # chosen: nothing to say
         OdaForCausalLM.from_pretrained(base, head=str(folder))
     assert "brings no routing defaults" not in caplog.text
+
+
+def test_shipping_the_organism_drops_an_earlier_shipments_calibration(tmp_path):
+    """organism/ship.py copied only the files a new head has: an earlier head's calibration.json stayed in the
+    assets, and the card quoted its threshold beside an oda_config.json of another."""
+    from oda_hf.organism.ship import HEAD_FILES, _copy
+
+    new, shipped = tmp_path / "new", tmp_path / "assets"
+    new.mkdir(), shipped.mkdir()
+    (new / "config.json").write_text("{}")
+    (shipped / "calibration.json").write_text('{"chosen": {"threshold": 0.75}}')
+    _copy(str(new), str(shipped), HEAD_FILES)
+    assert sorted(os.listdir(shipped)) == ["config.json"]

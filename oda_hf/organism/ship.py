@@ -41,6 +41,8 @@ def _copy(src: str, dst: str, names) -> None:
     for name in names:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+        elif os.path.exists(os.path.join(dst, name)):  # an earlier shipment's (e.g. a calibration of other weights)
+            os.remove(os.path.join(dst, name))
 
 
 def ship(backbone: str, head: str, evaluation: str, assets: str) -> None:
