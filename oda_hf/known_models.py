@@ -167,9 +167,10 @@ def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | Non
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    if manifest.get("gguf_sha256") != spec.sha256:
+    sizes = manifest.get("file_sizes", {}) if isinstance(manifest, dict) else None
+    if not isinstance(sizes, dict) or manifest.get("gguf_sha256") != spec.sha256:
         return None
-    for name, size in (manifest.get("file_sizes") or {}).items():
+    for name, size in sizes.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             return None

@@ -577,10 +577,11 @@ class _RecordFinishedRows(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         done = self.criterion(input_ids, scores, **kwargs)
-        # When every row stops at once (max length, max time) generation ends there: no later step is padding.
-        if (isinstance(done, torch.Tensor) and done.dim() == 1 and done.shape[0] == self.model.routing.batch_size
-                and not bool(done.all())):
-            self.model.routing.mark_finished(done)
+        if isinstance(done, torch.Tensor) and done.dim() == 1 and done.shape[0] == self.model.routing.batch_size:
+            rows = done.detach().cpu()  # one host read per step
+            # When every row stops at once (max length, max time) generation ends there: no later step is padding.
+            if not rows.all():
+                self.model.routing.mark_finished(rows)
         return done
 
 

@@ -555,7 +555,8 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
 
     import oda_hf.vllm.runner as runner_module
     from oda_hf.vllm.runner import OdaRunnerMixin
-    from oda_hf.vllm.server import _matching, metric_totals
+    from oda_hf.vllm.requests import pooled
+    from oda_hf.vllm.server import _matching
 
     local, full = (RequestState(RequestRouting(policy)) for policy in ("local", "full"))
     for _ in range(5):
@@ -574,7 +575,7 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
     runner = object.__new__(type("Runner", (OdaRunnerMixin, Stock), {}))
     runner.oda_model = SimpleNamespace(oda_settings=SimpleNamespace(default_routing=DEFAULT))
     runner.oda_states, runner.oda_finished = {}, OrderedDict()
-    runner.oda_evicted = {"requests": 0, "full_calls": 0, "decided_steps": 0, "routed_steps": 0}
+    runner.oda_evicted = {"full_calls": 0, "decided_steps": 0, "routed_steps": 0}
     seen = []
     for i in range(4):
         state = RequestState(RequestRouting("full"))
@@ -583,7 +584,7 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
         runner.oda_states[str(i)] = state
         runner._on_request_state_removed(str(i), None)
         stats = runner.oda_routing_stats()
-        seen.append(metric_totals(stats["requests"], stats["evicted"])["full_calls"])
+        seen.append(pooled(stats["requests"], stats["evicted"])["full_calls"])
     assert seen == [5, 10, 15, 20] and len(runner.oda_finished) == 2
 
 

@@ -178,10 +178,11 @@ def cacheable_tokens(request) -> int:
     return request.__dict__.setdefault("oda_first_prompt_tokens", request.num_prompt_tokens)
 
 
-def records_of(records: dict, request_id: str, sub_requests: bool = False) -> dict:
+def records_of(records: dict, request_id: str, sub_requests: bool = False, key=None) -> dict:
     """The routing records of one request: its own id, or one per sample when it asked for several (``n > 1``:
     vLLM serves each sample as a request with the id ``<k>_<id>``). `sub_requests`: also the per-prompt requests
-    of an OpenAI response (``<id>-<i>`` for completions, ``<id>_<i>`` for chat), and their samples."""
+    of an OpenAI response (``<id>-<i>`` for completions, ``<id>_<i>`` for chat), and their samples. `key`: the id a
+    record's key stands for (e.g. `external_request_id` of an engine id), the keys returned unchanged."""
     def matches(rid: str) -> bool:
         if rid == request_id:
             return True
@@ -193,7 +194,7 @@ def records_of(records: dict, request_id: str, sub_requests: bool = False) -> di
     def matches_parent(parent: str) -> bool:
         return parent == request_id or (sub_requests and _is_sub_request(parent, request_id))
 
-    return {rid: value for rid, value in records.items() if matches(rid)}
+    return {rid: value for rid, value in records.items() if matches(key(rid) if key else rid)}
 
 
 def _is_sub_request(rid: str, request_id: str) -> bool:
@@ -206,10 +207,9 @@ def trimmed(record: dict, steps: int) -> dict:
     (vLLM's output processor), which then aborts the request: by then the engine has run one step or more beyond
     it, routed and counted like any other, whose tokens are never returned. Steps within sinks + window come first
     (positions only grow), so the dropped ones are decided unless fewer than the undecided remain."""
-    extra = record["routed_steps"] - max(0, steps)
-    if extra <= 0:
-        return record
     steps = max(0, steps)
+    if record["routed_steps"] <= steps:
+        return record
     undecided = record["routed_steps"] - record["decided_steps"]
     decisions = record["decisions"][:steps]
     decided = max(0, steps - undecided)
@@ -219,10 +219,12 @@ def trimmed(record: dict, steps: int) -> dict:
             "scores": record["scores"][:steps]}
 
 
-def pooled(requests: dict) -> dict:
-    """Per-request summaries and their totals; the pooled Full-call rate is Full / decided steps over them."""
-    full = sum(v["full_calls"] for v in requests.values())
-    decided = sum(v["decided_steps"] for v in requests.values())
-    return {"requests": requests, "full_calls": full, "decided_steps": decided,
-            "routed_steps": sum(v["routed_steps"] for v in requests.values()),
-            "pooled_full_call_rate": full / decided if decided else 0.0}
+COUNTS = ("full_calls", "decided_steps", "routed_steps")
+
+
+def pooled(requests: dict, evicted: dict | None = None) -> dict:
+    """Per-request summaries and their totals; the pooled Full-call rate is Full / decided steps over them.
+    `evicted`: the summed counts of records no longer kept (the worker's), added to the totals."""
+    totals = {name: sum(v[name] for v in requests.values()) + (evicted or {}).get(name, 0) for name in COUNTS}
+    full, decided = totals["full_calls"], totals["decided_steps"]
+    return {"requests": requests, **totals, "pooled_full_call_rate": full / decided if decided else 0.0}

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .requests import FINISHED_KEPT, RequestState, pooled, request_routing
+from .requests import COUNTS, FINISHED_KEPT, RequestState, pooled, request_routing
 
 
 def is_decode_step(count: int, computed: int, prompt_tokens: int, state: RequestState) -> bool:
@@ -62,7 +62,7 @@ class OdaRunnerMixin:
         self.oda_states: dict[str, RequestState] = {}
         self.oda_finished: OrderedDict[str, dict] = OrderedDict()
         # counts of the finished records dropped beyond FINISHED_KEPT: /metrics' totals never fall
-        self.oda_evicted = {"requests": 0, "full_calls": 0, "decided_steps": 0, "routed_steps": 0}
+        self.oda_evicted = dict.fromkeys(COUNTS, 0)
         if self.oda_model is not None:
             model.oda_runner_attached = True
             if model.oda_head is not None:
@@ -82,9 +82,8 @@ class OdaRunnerMixin:
             self.oda_finished[req_id] = state.summary()
             while len(self.oda_finished) > FINISHED_KEPT:
                 _, dropped = self.oda_finished.popitem(last=False)
-                self.oda_evicted["requests"] += 1
-                for key in ("full_calls", "decided_steps", "routed_steps"):
-                    self.oda_evicted[key] += dropped[key]
+                for name in COUNTS:
+                    self.oda_evicted[name] += dropped[name]
 
     def _update_streaming_request(self, req_id, new_req_data):
         # The next turn of a streaming-input session (vLLM's resumable requests: one request id, turn after turn). Its

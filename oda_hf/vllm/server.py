@@ -53,20 +53,7 @@ def _matching(records: dict, request_id: str) -> dict:
     from . import external_request_id
     from .requests import records_of
 
-    return _by_caller_id({rid: value for rid, value in records.items()
-                          if records_of({external_request_id(rid): value}, request_id, sub_requests=True)})
-
-
-def metric_totals(records: dict, evicted: dict | None = None) -> dict:
-    """/metrics' totals: the kept records pooled, plus the counts of those the engine no longer keeps (the counters
-    never fall)."""
-    from .requests import pooled
-
-    total = pooled(records)
-    for key in ("full_calls", "decided_steps", "routed_steps"):
-        total[key] += (evicted or {}).get(key, 0)
-    total["pooled_full_call_rate"] = total["full_calls"] / total["decided_steps"] if total["decided_steps"] else 0.0
-    return total
+    return _by_caller_id(records_of(records, request_id, sub_requests=True, key=external_request_id))
 
 
 def refusal(body) -> str | None:
@@ -111,7 +98,7 @@ async def oda_routing_middleware(request, call_next):
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
         stats = await _stats(request.app)
-        total = metric_totals(stats["requests"], stats.get("evicted"))
+        total = pooled(stats["requests"], stats.get("evicted"))  # the counters never fall as records are dropped
         lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps.",
                  "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
                  "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
