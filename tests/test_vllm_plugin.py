@@ -286,13 +286,17 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert all(r["routed_steps"] == 5 and r["policy"] == "schedule:1:2" for r in sampled["requests"].values())
     assert "sometimes" in seen["bad_policy"] and "oda_threshold" in seen["bad_threshold"]
     assert "inside vllm_xargs" in seen["top_level"] and "does not route beam search" in seen["beam"]
-    stopped = seen["stopped"]
+    # a stop string: the engine ran past it, every record counts the returned tokens' steps only
+    stopped, both = seen["stopped"], seen["stopped_n2"]
     assert stopped["finish_reason"] == "stop" and stopped["tokens"] < 10
-    assert stopped["routing"]["routed_steps"] == stopped["tokens"] - 1
+    assert stopped["routing"]["routed_steps"] == stopped["listed"]["routed_steps"] == stopped["tokens"] - 1
+    assert both["finish_reasons"] == ["stop", "stop"] and both["tokens"] == 2 * stopped["tokens"]
+    assert [r["routed_steps"] for r in both["routing"]["requests"].values()] == [stopped["tokens"] - 1] * 2
     assert seen["after_bad"] == seen["completion"]["text"]
     metrics = dict(line.split() for line in seen["metrics"])
-    assert int(metrics["oda_routed_steps_total"]) >= 9 + 9 + 5 + 4 * 5 + 9
-    assert 0.0 <= float(metrics["oda_pooled_full_call_rate"]) <= 1.0
+    served = 9 + 9 + 5 + 4 * 5 + 3 * (stopped["tokens"] - 1) + 9   # refused requests run no step
+    assert int(metrics["oda_routed_steps_total"]) == served
+    assert 0 < int(metrics["oda_full_calls_total"]) <= int(metrics["oda_decided_steps_total"]) <= served
 
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):

@@ -547,6 +547,33 @@ def test_records_trimmed_to_the_returned_tokens():
     assert stats["routed_steps"] == 11
 
 
+def test_server_records_count_the_tokens_the_front_end_returned(monkeypatch):
+    """/v1/oda/routing, /metrics and multi-choice responses counted the steps the engine ran past a stop string (the
+    front end matches it, then aborts the request); now each record is cut to the tokens the front end counted for
+    its request (`stats.ReturnedTokens`), except where a caller's id names two requests."""
+    from collections import OrderedDict
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import note_returned
+    from oda_hf.vllm.server import returned_only
+
+    monkeypatch.setattr(requests_module, "_RETURNED", OrderedDict())
+    state = RequestState(RequestRouting("full"))
+    for _ in range(7):
+        state.record(True)
+    record = state.summary()   # 7 routed steps: 8 tokens generated
+    records = {"0_cmpl-a-0-1a2b3c4d": record, "1_cmpl-a-0-1a2b3c4d": record, "cmpl-b-0-5e6f7a8b": record,
+               "dup-1a2b3c4d": record, "dup-5e6f7a8b": record, "reused-1a2b3c4d": record}
+    note_returned("0_cmpl-a-0", 5)      # a stop string after 5 tokens
+    note_returned("1_cmpl-a-0", 8)      # no stop: all 8 returned
+    for rid in ("dup", "reused", "reused"):
+        note_returned(rid, 3)
+    routed = {rid: r["routed_steps"] for rid, r in returned_only(records).items()}
+    assert routed == {"0_cmpl-a-0-1a2b3c4d": 4, "1_cmpl-a-0-1a2b3c4d": 7, "cmpl-b-0-5e6f7a8b": 7,  # not yet counted
+                      "dup-1a2b3c4d": 7, "dup-5e6f7a8b": 7, "reused-1a2b3c4d": 7}  # an id of two requests: as run
+
+
+
 def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(monkeypatch):
     """Two requests with one X-Request-Id were one record (the later overwrote the earlier); /metrics' totals fell
     once the worker dropped its oldest finished records."""
@@ -556,14 +583,14 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
     import oda_hf.vllm.runner as runner_module
     from oda_hf.vllm.runner import OdaRunnerMixin
     from oda_hf.vllm.requests import pooled
-    from oda_hf.vllm.server import _matching
+    from oda_hf.vllm.server import _by_caller_id, _matching
 
     local, full = (RequestState(RequestRouting(policy)) for policy in ("local", "full"))
     for _ in range(5):
         local.record(False)
         full.record(True)
     records = {"cmpl-retry-1-0-1a2b3c4d": local.summary(), "cmpl-retry-1-0-5e6f7a8b": full.summary()}
-    matched = _matching(records, "cmpl-retry-1")
+    matched = _by_caller_id(_matching(records, "cmpl-retry-1"))
     assert list(matched) == ["cmpl-retry-1-0", "cmpl-retry-1-0-5e6f7a8b"]
     assert sum(r["full_calls"] for r in matched.values()) == 5
 

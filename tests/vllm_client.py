@@ -48,8 +48,15 @@ def main(port: int, model: str, ids: list) -> None:
     stop = " " + seen["completion"]["text"].split()[4]
     stopped = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, stop=[stop],
                                         extra_body={"vllm_xargs": {"oda_policy": "local"}})
+    with urllib.request.urlopen(f"{base}/v1/oda/routing?request_id={stopped.id}") as response:
+        listed = json.load(response)
     seen["stopped"] = {"finish_reason": stopped.choices[0].finish_reason, "tokens": stopped.usage.completion_tokens,
-                       "routing": stopped.model_extra.get("oda_routing")}
+                       "routing": stopped.model_extra.get("oda_routing"), "listed": listed}
+    # two prompts, two choices: the response's usage sums them, so only the front end's own count trims each record
+    both = client.completions.create(model=model, prompt=[ids, ids], max_tokens=10, temperature=0, stop=[stop],
+                                     extra_body={"vllm_xargs": {"oda_policy": "local"}})
+    seen["stopped_n2"] = {"finish_reasons": [c.finish_reason for c in both.choices],
+                          "tokens": both.usage.completion_tokens, "routing": both.model_extra.get("oda_routing")}
     after = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
                                       extra_body={"vllm_xargs": {"oda_policy": "local"}})
     seen["after_bad"] = after.choices[0].text

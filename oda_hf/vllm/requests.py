@@ -15,6 +15,7 @@ engine keeps serving the others. The worker parses the same values with the same
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..validation import number, parse_policy_text
@@ -220,6 +221,24 @@ def trimmed(record: dict, steps: int) -> dict:
 
 
 COUNTS = ("full_calls", "decided_steps", "routed_steps")
+
+# Tokens vLLM's front end returned for each finished request (`stats.ReturnedTokens` notes them in the server's
+# process): caller's request id -> the counts of the finished requests that had it (two when a caller reused an id).
+_RETURNED: OrderedDict[str, list[int]] = OrderedDict()
+
+
+def note_returned(request_id: str, tokens: int) -> None:
+    _RETURNED.setdefault(request_id, []).append(tokens)
+    _RETURNED.move_to_end(request_id)
+    while len(_RETURNED) > FINISHED_KEPT:
+        _RETURNED.popitem(last=False)
+
+
+def returned_tokens(request_id: str) -> int | None:
+    """Tokens returned for the finished request with this caller's id; None when unknown, or when the id was used by
+    more than one request."""
+    counts = _RETURNED.get(request_id)
+    return counts[0] if counts is not None and len(counts) == 1 else None
 
 
 def pooled(requests: dict, evicted: dict | None = None) -> dict:

@@ -12,9 +12,9 @@ this module's middleware, which adds:
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
   ``oda_pooled_full_call_rate`` on ``/metrics``, over every request the engine has served.
 
-A stop string is matched outside the engine, which has then run a step or more past it: a response's ``oda_routing``
-counts only the steps of its returned tokens when it has one choice; ``/v1/oda/routing``, ``/metrics`` and the
-records of several choices include those steps.
+A stop string is matched outside the engine, which has then run a step or more past it: every record counts only the
+steps of its returned tokens, as the front end counted them (`stats.ReturnedTokens`), except where two requests share
+a caller's id (both kept as run) and in ``/metrics``' totals of records the worker no longer keeps.
 
 A request picks its routing in the body's ``vllm_xargs``: ``{"oda_policy": "random:0.25", "oda_threshold": 0.1}``.
 """
@@ -22,6 +22,7 @@ A request picks its routing in the body's ``vllm_xargs``: ``{"oda_policy": "rand
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -33,6 +34,38 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 async def _stats(app) -> dict:
     """The engine's routing stats: records keyed by engine request id, and `evicted` counts."""
     return (await app.state.engine_client.collective_rpc("oda_routing_stats"))[0]
+
+
+def returned_only(records: dict) -> dict:
+    """Engine-keyed records as if only the steps of the tokens the front end returned had run (`requests.trimmed`),
+    where its count is known: a finished request whose caller's id no other record shares."""
+    from collections import Counter
+
+    from . import external_request_id
+    from .requests import returned_tokens, trimmed
+
+    callers = Counter(map(external_request_id, records))
+    kept = {}
+    for rid, record in records.items():
+        caller = external_request_id(rid)
+        tokens = returned_tokens(caller) if callers[caller] == 1 else None
+        kept[rid] = record if tokens is None else trimmed(record, tokens - 1)
+    return kept
+
+
+async def _counted(records: dict, seconds: float = 1.0) -> None:
+    """Wait (at most `seconds`) until the front end has counted the returned tokens of every request in `records`
+    (keyed by engine id). A response is complete before vLLM's output loop reaches its stat loggers: for a stop string
+    it first sends the engine the abort."""
+    from . import external_request_id
+    from .requests import returned_tokens
+    from .stats import counting
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while counting() and loop.time() < deadline and \
+            any(returned_tokens(external_request_id(rid)) is None for rid in records):
+        await asyncio.sleep(0.002)
 
 
 def _by_caller_id(records: dict) -> dict:
@@ -48,12 +81,13 @@ def _by_caller_id(records: dict) -> dict:
 
 
 def _matching(records: dict, request_id: str) -> dict:
-    """Records of one OpenAI response id (`records` keyed by engine id): the id itself, its per-prompt ids (``ID-0``,
-    ``ID-1``, ...) and the samples of each (``0_ID``, ``1_ID``, ... when the request asks for ``n > 1``)."""
+    """Records of one OpenAI response id (`records` and the result keyed by engine id): the id itself, its per-prompt
+    ids (``ID-0``, ``ID-1``, ...) and the samples of each (``0_ID``, ``1_ID``, ... when the request asks for
+    ``n > 1``)."""
     from . import external_request_id
     from .requests import records_of
 
-    return _by_caller_id(records_of(records, request_id, sub_requests=True, key=external_request_id))
+    return records_of(records, request_id, sub_requests=True, key=external_request_id)
 
 
 def refusal(body) -> str | None:
@@ -88,9 +122,9 @@ async def oda_routing_middleware(request, call_next):
     note_served_head_from_config(getattr(request.app.state, "vllm_config", None))
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
-        records = (await _stats(request.app))["requests"]
+        records = returned_only((await _stats(request.app))["requests"])
         wanted = request.query_params.get("request_id")
-        records = _by_caller_id(records) if wanted is None else _matching(records, wanted)
+        records = _by_caller_id(records if wanted is None else _matching(records, wanted))
         if wanted is not None and not records:
             return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
         return JSONResponse(pooled(records))
@@ -98,7 +132,8 @@ async def oda_routing_middleware(request, call_next):
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
         stats = await _stats(request.app)
-        total = pooled(stats["requests"], stats.get("evicted"))  # the counters never fall as records are dropped
+        # the counters never fall as records are dropped
+        total = pooled(returned_only(stats["requests"]), stats.get("evicted"))
         lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps.",
                  "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
                  "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
@@ -128,10 +163,12 @@ async def oda_routing_middleware(request, call_next):
         data = json.loads(body)
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
-    records = _matching((await _stats(request.app))["requests"], str(data.get("id", "")))
+    mine = _matching((await _stats(request.app))["requests"], str(data.get("id", "")))
+    await _counted(mine)
+    records = _by_caller_id(returned_only(mine))
     choices, usage = data.get("choices") or [], data.get("usage") or {}
     if len(records) == 1 and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
-        # one output: count only its returned tokens' steps (the engine runs past a stop string; `trimmed`)
+        # one output: its returned tokens are in the response (the engine runs past a stop string; `trimmed`)
         (key, record), = records.items()
         records = {key: trimmed(record, usage["completion_tokens"] - 1)}
     if records:
