@@ -59,7 +59,11 @@ def root(tmp_path_factory):
         "cap_text": record(0, max_new_tokens="x"), "cap_zero": record(0, max_new_tokens=0),
         "metric_unknown": record(0, metric="bleu"), "ids_negative": record(0, prompt=[5, -1]),
         "ids_outside": record(0, prompt=[5, 500]), "too_long": record(0, prompt=words(0, 600)),
+        # fits alone, not with its output cap: the generated positions would pass the context
+        "too_long_with_cap": record(0, prompt=words(0, 500), max_new_tokens=20),
         "task_int": record(0, task=3),
+        # `oda ruler` records whether a prompt's length was measured with the chat template
+        "chat_written": record(0, chat_template=True),
     }
     for name, value in bad.items():
         write_jsonl(root / f"{name}.jsonl", [value])
@@ -172,7 +176,13 @@ BAD = [
     ("eval-ids-outside-vocab", EVAL + ["--data", "{root}/ids_outside.jsonl"],
      "token id 500 is outside the model's vocabulary of 97 ids"),
     ("eval-prompt-too-long", EVAL + ["--data", "{root}/too_long.jsonl"],
-     "its prompt has 600 tokens, more than the model's max_position_embeddings=512"),
+     "its prompt has 600 tokens; with its output cap of"),
+    ("eval-prompt-and-cap-too-long", EVAL + ["--data", "{root}/too_long_with_cap.jsonl"],
+     "its prompt has 500 tokens; with its output cap of 20 that is 520 positions, past the model's "
+     "max_position_embeddings=512. Shorten it (LongBench: --max-input-tokens 492)"),
+    ("eval-chat-template-mismatch", EVAL + ["--data", "{root}/chat_written.jsonl"],
+     "example 'e0' (task 't1') was written with the chat template, but this run does not apply it: add "
+     "--chat-template"),
     ("eval-unknown-task", EVAL + GOOD + ["--tasks", "nope"], "Task(s) ['nope'] not found in the suite"),
     ("eval-ruler-outputs-string", EVAL + ["--suite", "ruler", "--data", "{root}/ruler_str"],
      "niah_single_1.jsonl:1: 'outputs' must be a list of strings; got the string 'w5 w6'"),
@@ -207,7 +217,7 @@ BAD = [
     ("calibrate-answers-string", CAL + ["--data", "{root}/answers_str.jsonl", "--target-rate", "0.5"],
      "'answers' must be a list of strings"),
     ("calibrate-prompt-too-long", CAL + ["--data", "{root}/too_long.jsonl", "--target-rate", "0.5"],
-     "more than the model's max_position_embeddings=512"),
+     "past the model's max_position_embeddings=512"),
     ("calibrate-out-is-a-file", CAL + CAL_RATE + ["--out", "{root}/afile"], "--out {root}/afile is a file"),
     ("calibrate-inputs-corrupt", CAL + CAL_RATE + ["--out", "{root}/calib_bad"],
      "calibration_inputs.json is not valid JSON"),

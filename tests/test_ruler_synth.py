@@ -108,6 +108,10 @@ def test_needle_depths_spread_over_the_context(tok):
             shares.append((example.prompt.index(needle) - first) / (last - first))
         assert shares == sorted(shares), (task, shares)
         assert shares[0] < 0.05 and shares[-1] > 0.93 and abs(shares[2] - 0.5) < 0.08, (task, shares)
+    # --limit takes prompts spread over the suite's order: the first 3 would hold only the shallow needles
+    from oda_hf.evaluation.suites import select_examples
+
+    assert [e.meta["depth"] for e in select_examples(examples, ["niah_single_2"], 3)] == [0, 50, 100]
 
 
 def test_splits_are_disjoint_in_seeds_needles_and_haystack_text(tok):

@@ -39,9 +39,12 @@ def main() -> None:
                 seen.add(key)
                 records.append(record)
     groups = summarize(records)
+    # which of each task's prompts (`oda ruler` puts prompt i's needle at depth i / (n - 1)): a subset says so
+    indices = sorted({int(rid.rsplit("/", 1)[-1]) for rid in prompts if rid.rsplit("/", 1)[-1].isdigit()})
     lines = [f"Held-out RULER test prompts at 2,048 tokens: {len(prompts)} prompts ({len(prompts) // 11} per task, "
-             "11 tasks), SmolLM2-135M-Instruct with its shipped head, s = 4, w = 256, greedy. Rates count the "
-             "decided steps (past sinks + window); Random: mean over its seeds.", "",
+             f"11 tasks; suite indices {', '.join(map(str, indices))}), SmolLM2-135M-Instruct with its shipped head, "
+             "s = 4, w = 256, greedy. Rates count the decided steps (past sinks + window); Random: mean over its "
+             "seeds.", "",
              "| policy | prompts | macro score | pooled Full-call rate | highest request rate |",
              "|---|---:|---:|---:|---:|"]
     for name, group in groups.items():

@@ -38,7 +38,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--refine-steps", type=argument(integer, "refine-steps", minimum=0), default=4, help="bisection runs after the grid (--target-rate)")
     parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
     parser.add_argument("--limit", type=argument(integer, "limit", minimum=1), default=None,
-                        help="first N examples per task")
+                        help="N examples per task, spread evenly over the suite's order (first and last included)")
     parser.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=None,
                         help="output cap (default: the suite's)")
     parser.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")

@@ -40,7 +40,7 @@ def add_cli(subparsers) -> None:
     evaluate.add_argument("--data", nargs="+", help="suite files or directories")
     evaluate.add_argument("--tasks", nargs="+", default=None, help="only these tasks")
     evaluate.add_argument("--limit", type=argument(integer, "limit", minimum=1), default=None,
-                          help="first N examples per task")
+                          help="N examples per task, spread evenly over the suite's order (first and last included)")
     evaluate.add_argument("--max-new-tokens", type=argument(integer, "max-new-tokens", minimum=1), default=None,
                           help="output cap for every example (default: the suite's per-task caps; the paper uses 512)")
     evaluate.add_argument("--max-input-tokens", type=argument(integer, "max-input-tokens", minimum=2), default=None,

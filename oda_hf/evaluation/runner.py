@@ -563,19 +563,36 @@ def _rescore(results: ResultsFile, record: dict, example: EvalExample) -> int:
     return 1
 
 
+def check_chat_template(examples: Sequence[EvalExample], chat_template: bool) -> None:
+    """Refuse prompts written for the other protocol: `oda ruler` records whether it measured each prompt's length
+    with the chat template (``meta["chat_template"]``); read the other way, a prompt is another protocol, of another
+    length."""
+    for example in examples:
+        written = example.meta.get("chat_template") if isinstance(example.meta, dict) else None
+        if isinstance(written, bool) and written != chat_template:
+            raise ValueError(
+                f"example {example.id!r} (task {example.task!r}) was written {'with' if written else 'without'} the "
+                f"chat template, but this run {'applies' if chat_template else 'does not apply'} it: "
+                f"{'add' if written else 'drop'} --chat-template (Python: chat_template={written}), or write the "
+                "suite again.")
+
+
 def check_prompt(model, example: EvalExample, input_ids: Sequence[int]) -> None:
-    """Refuse a prompt the model cannot read: longer than its ``max_position_embeddings`` (transformers only warns,
-    then the positions past it are garbage) or with token ids outside its vocabulary."""
+    """Refuse a prompt the model cannot read: one whose tokens plus its output cap pass the model's
+    ``max_position_embeddings`` (transformers only warns, then the positions past it are garbage; `oda generate` and
+    `oda ruler` refuse the same), or with token ids outside its vocabulary."""
     if not input_ids:  # e.g. "" or whitespace with no answer prefix: generate() would fail deep in attention
         raise ValueError(f"example {example.id!r} (task {example.task!r}): its prompt is empty (it tokenizes to no "
                          "token); give it text or token ids, or leave it out.")
     config = model.config
     config = getattr(config, "get_text_config", lambda: config)()
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and len(input_ids) > limit:
-        raise ValueError(f"example {example.id!r} (task {example.task!r}): its prompt has {len(input_ids)} tokens, "
-                         f"more than the model's max_position_embeddings={limit}; shorten it (LongBench: --max-input-tokens "
-                         f"{limit}) or leave it out.")
+    cap = example.max_new_tokens
+    if isinstance(limit, int) and len(input_ids) + cap > limit:
+        raise ValueError(f"example {example.id!r} (task {example.task!r}): its prompt has {len(input_ids)} tokens; "
+                         f"with its output cap of {cap} that is {len(input_ids) + cap} positions, past the model's "
+                         f"max_position_embeddings={limit}. Shorten it (LongBench: --max-input-tokens "
+                         f"{max(limit - cap, 1)}), lower --max-new-tokens, or leave it out.")
     vocabulary = model.get_input_embeddings().num_embeddings
     if input_ids and max(input_ids) >= vocabulary:
         raise ValueError(f"example {example.id!r}: token id {max(input_ids)} is outside the model's vocabulary of "
@@ -832,6 +849,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
                 or example.max_new_tokens < 1:
             raise ValueError(f"example {example.id!r}: max_new_tokens must be a positive integer; got "
                              f"{example.max_new_tokens!r}.")
+    check_chat_template(examples, chat_template)
     names = [spec.name for spec in policies]
     if len(set(names)) != len(names):
         raise ValueError(f"Policy names must be unique; got {names}.")

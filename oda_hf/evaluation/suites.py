@@ -453,6 +453,19 @@ def _expand(paths) -> list[str]:
     return files
 
 
+def spread_subset(items: Sequence, limit: int) -> list:
+    """`limit` of `items` spread evenly over them, first and last included (all of them if they are no more). A
+    suite's order carries meaning: `oda ruler` puts prompt i's needle at depth i / (n - 1), so the first `limit`
+    would hold only the shallow needles (measured on SmolLM2's 2K test prompts: Full 41.8 on the first half, 57.5 on
+    the second)."""
+    if len(items) <= limit:
+        return list(items)
+    if limit == 1:
+        return [items[(len(items) - 1) // 2]]
+    step = (len(items) - 1) / (limit - 1)
+    return [items[int(k * step + 0.5)] for k in range(limit)]
+
+
 def select_examples(examples: list[EvalExample], tasks: Sequence[str] | None, limit: int | None) -> list[EvalExample]:
     if tasks is not None:
         unknown = set(tasks) - {e.task for e in examples}
@@ -462,12 +475,12 @@ def select_examples(examples: list[EvalExample], tasks: Sequence[str] | None, li
         examples = [e for e in examples if e.task in set(tasks)]
     if limit is not None:
         limit = integer("limit (examples per task)", limit, minimum=1)
-        kept, seen = [], {}
+        by_task: dict[str, list[EvalExample]] = {}
         for example in examples:
-            seen[example.task] = seen.get(example.task, 0) + 1
-            if seen[example.task] <= limit:
-                kept.append(example)
-        examples = kept
+            by_task.setdefault(example.task, []).append(example)
+        chosen = {id(example) for task_examples in by_task.values()
+                  for example in spread_subset(task_examples, limit)}
+        examples = [example for example in examples if id(example) in chosen]
     ids = [e.id for e in examples]
     if len(set(ids)) != len(ids):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})[:5]
