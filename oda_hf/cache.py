@@ -423,6 +423,16 @@ class OdaCache(Cache):
         #: Called with the row indices on every beam reorder (the routing record follows its rows).
         self.on_reorder: list = []
 
+    def __deepcopy__(self, memo):
+        """A copy of the cached state whose reorders still reach the same listeners: the callbacks are not copied (a
+        model's bound method would copy the whole model, its weights included, and the copy's reorders would reach
+        that copy, not the model decoding with it)."""
+        memo[id(self.on_reorder)] = list(self.on_reorder)
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return clone
+
     # -- modes -----------------------------------------------------------------------------------
     @property
     def global_layers(self) -> list[OdaGlobalLayer]:

@@ -67,6 +67,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._policy = None
         self._generate_call_starting = False  # the next forward is the first of a generate() call
         self._request_prefilled = False  # the current request's first output came from a prefill
+        self._beam_generation = False  # the current generate() call runs beam search: outputs are not cache rows
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
             raise ValueError(
@@ -240,6 +241,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 f"{generation_mode.value} is not supported by ODA: it needs to crop or re-run the cache, while ODA "
                 "commits one routed token per step. Use greedy, sampling or beam search."
             )
+        self._beam_generation = (generation_config.num_beams or 1) > 1
         if generation_config.use_cache is False:
             raise ValueError("ODA decodes from its KV cache: generate() with use_cache=False is not supported.")
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -293,7 +295,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             if kwargs.get(key) is not None:
                 raise ValueError(f"generate({key}=...) is not supported by ODA (it needs cache cropping/re-runs).")
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
-        self._generate_call_starting = True
+        self._generate_call_starting, self._beam_generation = True, False
         try:
             output = super().generate(*args, **kwargs)
         finally:
@@ -312,8 +314,10 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
         eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
-        if sequences is None or eos is None or sequences.shape[0] != self.routing.batch_size:
-            return  # beam search returns hypotheses, not cache rows: routing rows stay per beam slot
+        if self._beam_generation or sequences is None or eos is None or sequences.shape[0] != self.routing.batch_size:
+            # beam search returns hypotheses, not cache rows (also when as many as the beams): routing rows stay per
+            # beam slot
+            return
         # With a prefill, output k came from routed step k (output 0 from the prefill); a call that continued a
         # cache with one token has no prefill output, and its output k came from routed step k + 1.
         offset = 0 if self._request_prefilled else 1

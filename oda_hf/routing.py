@@ -11,7 +11,7 @@ class RoutingRecord:
     * ``decisions``: bool ``[batch, routed_steps]``, True = Full. The output produced by prefill is
       not a routed step. Steps a row took after it finished (EOS or a stopping criterion) are masked
       out through ``valid``.
-    * ``scores``: float ``[batch, routed_steps]`` head scores (NaN where the head did not run).
+    * ``scores``: float ``[batch, routed_steps]`` head scores (NaN where nothing was decided: no head, or in the window).
     * ``valid``: bool ``[batch, routed_steps]``; ``steps_per_row`` and every rate count only valid steps.
     * ``in_window``: bool ``[batch, routed_steps]``, True where the row's history (committed positions plus
       the current token) was within ``sinks + window``: Local and Full read the same positions there, so
@@ -39,12 +39,14 @@ class RoutingRecord:
         """One step: decisions ``[batch]``, head scores (None: the head did not run), rows within the window."""
         decisions = decisions.detach().to("cpu", torch.bool)
         self._decisions.append(decisions)
-        if scores is None:
-            scores = torch.full(decisions.shape, float("nan"))
-        self._scores.append(scores.detach().to("cpu", torch.float32))
         if in_window is None:
             in_window = torch.zeros(decisions.shape, dtype=torch.bool)
-        self._in_window.append(in_window.detach().to("cpu", torch.bool))
+        in_window = in_window.detach().to("cpu", torch.bool)
+        if scores is None:
+            scores = torch.full(decisions.shape, float("nan"))
+        # the head also runs for rows still within the window when another row is past it: nothing was decided there
+        self._scores.append(scores.detach().to("cpu", torch.float32).masked_fill(in_window, float("nan")))
+        self._in_window.append(in_window)
 
     def reorder(self, indices: torch.Tensor) -> None:
         """Follow a beam reorder: history of row i becomes that of row indices[i]."""

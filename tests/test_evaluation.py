@@ -492,6 +492,16 @@ def _separate_and_shared(model, example, policies=SHARED_PREFILL_POLICIES):
     return separate, shared
 
 
+def test_a_shared_prefill_copies_the_cache_not_the_model():
+    """Each policy but the last continues a deep copy of the prefilled cache; its beam-reorder callback (the model's
+    bound method) was deep-copied too, and with it the whole model, weights included."""
+    model = oda_model("llama")
+    prefill = runner.SharedPrefill(model, None, list(range(3, 20)), 4)
+    cache, _ = prefill.take()
+    assert cache is not prefill._cache and cache.on_reorder[0].__self__ is model
+    assert cache.global_layers[0].keys.data_ptr() != prefill._cache.global_layers[0].keys.data_ptr()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "qwen3_5"])
 def test_shared_prefill_equals_separate_generate_calls(family):
     model = oda_model(family)

@@ -79,6 +79,30 @@ def test_beam_search_with_local_routing_runs_and_reorders_routing():
     assert model.routing.decisions.shape == (6, 7) and not model.routing.decisions.any()
 
 
+def test_beam_search_routing_does_not_depend_on_how_many_hypotheses_return():
+    """With num_return_sequences == num_beams the returned hypotheses have the cache's row count, and each one's first
+    EOS was written onto an unrelated beam slot's routing row (measured: steps per row [10, 4, 11, ...] against 11
+    for every row with 1 or 2 returned): the record depends on an output-selection setting only."""
+    from oda_hf import RandomPolicy
+
+    from tiny_models import left_padded_prompts
+
+    base = tiny_model("llama")
+    ids, mask = left_padded_prompts(2, 9, pads=(3, 0))
+    model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=3, policy=RandomPolicy(0.5, seed=1)))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=3, do_sample=False,
+                  pad_token_id=0, early_stopping=False, return_dict_in_generate=True)
+    probe = model.generate(**kwargs, num_return_sequences=3).sequences[:, ids.shape[1]:]
+    eos = int(probe[0, 4])  # a token some hypothesis emits mid-way
+    records = []
+    for returned in (1, 3):
+        out = model.generate(**kwargs, num_return_sequences=returned, eos_token_id=eos)
+        records.append((model.routing.steps_per_row.tolist(), model.routing.full_calls_per_row.tolist()))
+    assert (out.sequences[:, ids.shape[1]:] == eos).any(), "no hypothesis emitted the EOS: the test would see nothing"
+    assert records[0] == records[1]
+    assert model.routing.finished_at.tolist() == [-1] * 6
+
+
 class CollectingStreamer(BaseStreamer):
     def __init__(self):
         self.chunks = []
