@@ -292,21 +292,22 @@ def cost_models(name: str, sinks: int, window: int, dtype: torch.dtype, bandwidt
 
 
 def step_decisions(method: str, steps: int) -> list[bool] | None:
-    """Full (True) or Local per measured step; None for stock arms (a plain Full step)."""
+    """Full (True) or Local per measured step (the `steps` after a warm-up segment of as many: the schedule counts
+    from the warm-up's first step); None for stock arms (a plain Full step)."""
     from oda_hf.cost import schedule_first_k
 
     path, routing = METHODS[method]
     if path == "native":
         return None
     if isinstance(routing, int):
-        return schedule_first_k(routing, PERIOD, steps)
+        return schedule_first_k(routing, PERIOD, 2 * steps)[steps:]
     return [routing == "full"] * steps
 
 
 def limit_seconds(method: str, length: int, steps: int, bytes_model) -> float:
     """Mean seconds per measured step at the bandwidth limit (the history grows by one per step)."""
     decisions = step_decisions(method, steps)
-    lengths = [length + PERIOD + t for t in range(steps)]  # after the warm-up segment
+    lengths = [length + steps + t for t in range(steps)]  # after the warm-up segment of `steps` steps
     if decisions is None or METHODS[method][1] == "full":
         costs = [bytes_model.full_step([n]) for n in lengths]
     elif METHODS[method][1] == "local":

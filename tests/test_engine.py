@@ -507,6 +507,25 @@ def test_unsupported_settings_raise_clearly():
     with pytest.raises(FastPathUnsupported, match="EveryOther"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
 
+    class FirstKFull(RoutingPolicy):
+        """A device counter reset per request: the engine ran its rule on in-window steps too and never reset it
+        (measured: decisions [0]*7 where the HF path made [1, 1, 1, 0, 0, 0, 0], and a second request differed)."""
+        fast_path = True
+
+        def __init__(self):
+            self.calls = torch.zeros(1, dtype=torch.long)
+
+        def reset(self):
+            self.calls.zero_()
+
+        def decide(self, scores, step, batch_size, device):
+            self.calls += 1
+            return (self.calls <= 3).repeat(batch_size)
+
+    model.set_routing(policy=FirstKFull())
+    with pytest.raises(FastPathUnsupported, match="keeps per-request state .it defines reset."):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+
 
 def test_generate_fast_and_the_kill_switch(monkeypatch):
     model = make_model(policy=SchedulePolicy(1, 2))

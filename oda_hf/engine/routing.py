@@ -40,6 +40,17 @@ def plan_for(policy: RoutingPolicy, has_head: bool) -> StepPlan:
         )
     if policy.uses_head and not has_head:
         raise ValueError("policy='head' needs a recall head; attach one with model.set_head().")
+    keeps_state = [name for name in ("reset", "observe_window")
+                   if getattr(type(policy), name) is not getattr(RoutingPolicy, name)
+                   and not (name == "reset" and policy.host_draws)]
+    if keeps_state:
+        # A captured step runs the rule on every step, in-window ones included, where the HF path calls `decide`
+        # only once some row is past the window and `observe_window` before it: a counter would drift.
+        raise FastPathUnsupported(
+            f"Routing policy {policy!r} keeps per-request state (it defines {' and '.join(keeps_state)}): the fast "
+            "path runs decide_on_device on every step, also where every row is within sinks + window and the HF "
+            "path does not call decide, so its state would not follow. Make the rule stateless, draw its decisions "
+            "per request on the host (host_draws = True), or use the HF path: model.generate(...) without oda_fast.")
     run_head = not policy.skips_local and (policy.uses_head or (policy.run_head and has_head))
     return StepPlan(policy.graph_key(), not policy.skips_local, run_head, policy.host_draws, policy.never_full)
 
