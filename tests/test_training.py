@@ -343,6 +343,24 @@ def test_packing_segments_and_reading_documents(tmp_path):
         list(read_documents(str(path)))
 
 
+def test_a_document_with_a_supervised_answer_is_never_split():
+    """A RULER training document is a prompt and its teacher-forced answer (labels mask the prompt). Packed at a
+    seq_len of the prompt's length, the answer fell into a short tail piece that was dropped (measured on the shipped
+    heads' data: about half the answer targets, every 2,048-token prompt's), with exit 0."""
+    answer = [-100] * 12 + [13, 14, 15]
+    prose = {"input_ids": list(range(1, 16))}   # unmasked: split into pieces as before
+    rows, stats = pack_documents([prose], seq_len=10, min_length=4)
+    assert stats.segments == 2
+    fully_labeled = {"input_ids": list(range(1, 16)), "labels": list(range(1, 16))}
+    assert pack_documents([fully_labeled], seq_len=10, min_length=4)[1].segments == 2
+    with pytest.raises(ValueError, match=r"1 of 2 documents with masked labels .* longer than seq_len=10 \(the "
+                                         r"longest: 15 tokens\).*--seq-len 15"):
+        pack_documents([{"input_ids": list(range(1, 16)), "labels": answer},
+                        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100] * 4 + [5]}], seq_len=10, min_length=4)
+    rows, stats = pack_documents([{"input_ids": list(range(1, 16)), "labels": answer}], seq_len=15, min_length=4)
+    assert rows[0]["labels"][-3:] == [13, 14, 15] and stats.dropped_pieces == 0
+
+
 def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

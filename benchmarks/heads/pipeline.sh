@@ -31,8 +31,10 @@ if has data; then
   [ -f "$RUN/ruler-test/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer "$BASE" "${plain[@]}" \
     --lengths $TEST_LENGTHS --split test --n "$TEST_N" --haystack kjv --out "$RUN/ruler-test/kjv" --no-progress
 fi
+# Rows of SEQ_LEN + 256 tokens: a RULER training document is a prompt of up to SEQ_LEN tokens plus its answer, and
+# cache-supervision refuses to split one (before it did, the 2,048-token prompts' answers fell into dropped tail pieces).
 has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jsonl" --output "$RUN/cache" \
-  --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$SEQ_LEN" --rows-per-shard 8 --threads 1
+  --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$((SEQ_LEN + 256))" --rows-per-shard 8 --threads 1
 also=(${ALSO_TRAIN_ON:-})  # caches of other runs the head also trains on, if the profile names any
 has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base "$BASE" --from-cache "$RUN/cache" "${also[@]}" \
   --output "$RUN/head" --epochs "$EPOCHS" --batch-size 4 --warmup-steps 20 --save-steps 64 "${width[@]}" \

@@ -30,8 +30,10 @@ if has baselines; then  # Full, StreamingLLM (s=4, w=256), Random 12.5/25/50% on
       --out "$RUN/baselines/$L"
   done
 fi
+# The shipped head's cache was packed at --seq-len 2048, which dropped the answers of the 2,048-token prompts (a
+# tail piece too short to keep); cache-supervision now refuses to split a document with masked labels.
 has cache && "${oda[@]}" cache-supervision --base smollm2 --data "$RUN/train.jsonl" --output "$RUN/cache" \
-  --sinks 4 --window 256 --tau-hist 0.001 --seq-len 2048 --rows-per-shard 8 --threads 1
+  --sinks 4 --window 256 --tau-hist 0.001 --seq-len 2304 --rows-per-shard 8 --threads 1
 has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --base smollm2 --from-cache "$RUN/cache" \
   --output "$RUN/head" --epochs 20 --batch-size 4 --warmup-steps 20 --save-steps 64 --threads 1; }
 has calibrate && "${oda[@]}" calibrate --base smollm2 --head "$RUN/head" --data "$RUN/ruler-dev/kjv/2048" \

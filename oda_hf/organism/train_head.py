@@ -74,9 +74,11 @@ def main(argv=None) -> int:
         with open(data, "rb") as f:
             sha = hashlib.sha256(f.read()).hexdigest()
     print(f"[organism head] corpus seed {seed}; training data {data} sha256 {sha}")
+    # --seq-len 1152: the longest training sequences (prompts of 1,024 plus their answers) run to ~1,054 tokens, and a
+    # document with a masked prompt is never split (the shipped head was trained at 1,024, without that quarter)
     command = ["train-head", "--base", args.backbone, "--data", data, "--output", args.output,
                "--sinks", "4", "--window", "64", "--lambda", str(args.oda_lambda), "--tau-hist", str(args.tau_hist),
-               "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size), "--seq-len", "1024",
+               "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size), "--seq-len", "1152",
                "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-steps", "100",
                "--seed", str(seed), "--threads", str(args.threads)]
     if args.resume:

@@ -3,7 +3,9 @@
 Rows are packed greedily from whole documents; every document (or each ``seq_len`` piece of a longer
 one) is its own segment with ``position_ids`` restarting at 0, and segments never attend to each other
 (`layout.py`). A piece shorter than ``min_length`` tokens can hold no eligible position
-(``s + w + 2`` tokens are needed for one) and is dropped rather than packed as dead weight.
+(``s + w + 2`` tokens are needed for one) and is dropped rather than packed as dead weight. A document whose
+``labels`` mask some positions (a prompt with a teacher-forced answer) is never split: its supervised tokens need the
+context before them, and the tail piece that holds them is often too short to keep.
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ def pack_documents(documents: Iterable[dict], seq_len: int, min_length: int = 2)
     rows, current = [], {"input_ids": [], "position_ids": [], "labels": []}
     docs = list(documents)
     stats.with_labels = any("labels" in d for d in docs)
+    masked = [len(d["input_ids"]) for d in docs if IGNORE_INDEX in d.get("labels", ())]
+    if max(masked, default=0) > seq_len:
+        longer = sum(n > seq_len for n in masked)
+        raise ValueError(
+            f"{longer} of {len(masked)} documents with masked labels (a prompt and its supervised answer) are longer "
+            f"than seq_len={seq_len} (the longest: {max(masked)} tokens): split into pieces, their supervised tokens "
+            f"would train without the context before them, or be dropped with a short last piece. Pack with "
+            f"--seq-len {max(masked)} or more (documents keep their own length; rows just hold fewer of them).")
 
     def flush():
         if current["input_ids"]:
