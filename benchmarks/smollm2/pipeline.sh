@@ -44,9 +44,12 @@ if has oda; then  # ODA: a threshold sweep, then Random matched to ODA's per-tas
     --policies oda --thresholds 0 0.02 0.05 0.1 0.25 --out "$RUN/oda-test/2048"
   "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/2048" \
     --policies oda random --thresholds "$THETA" --seeds 42 43 44 --primary-threshold "$THETA" --out "$RUN/oda-test/2048"
-  for L in 4096 7000; do  # every policy of a prompt shares one Full prefill
+  for L in 4096 7000; do  # every policy of a prompt shares one Full prefill; Random~ODA at seeds 42-44, fixed rates 42
     "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/$L" \
-      --policies full local random:0.125 random:0.25 random:0.5 oda random --thresholds "$THETA" --seeds 42 \
+      --policies full local oda random --thresholds "$THETA" --seeds 42 43 44 \
+      --primary-threshold "$THETA" --limit "${LIMIT:-10}" --out "$RUN/oda-test/$L"
+    "${oda[@]}" eval --base smollm2 --head "$RUN/head" --suite jsonl --chat-template --data "$RUN/ruler-test/kjv/$L" \
+      --policies full local oda random:0.125 random:0.25 random:0.5 --thresholds "$THETA" --seeds 42 \
       --primary-threshold "$THETA" --limit "${LIMIT:-10}" --out "$RUN/oda-test/$L"
   done
 fi
