@@ -348,9 +348,15 @@ def test_a_document_with_a_supervised_answer_is_never_split():
     seq_len of the prompt's length, the answer fell into a short tail piece that was dropped (measured on the shipped
     heads' data: about half the answer targets, every 2,048-token prompt's), with exit 0."""
     answer = [-100] * 12 + [13, 14, 15]
-    prose = {"input_ids": list(range(1, 16))}   # unmasked: split into pieces as before
+    prose = {"input_ids": list(range(1, 16))}   # unmasked: split into pieces as before, and said so
     rows, stats = pack_documents([prose], seq_len=10, min_length=4)
-    assert stats.segments == 2
+    assert stats.segments == 2 and "1 of 1 documents are longer than --seq-len 10" in stats.split_warning(10, 4)
+    near_fit = {"input_ids": list(range(1, 13))}   # a prompt of 10 and a 2-token answer: the answer is dropped
+    _, stats = pack_documents([near_fit, {"input_ids": [1, 2, 3, 4, 5]}], seq_len=10, min_length=4)
+    assert (stats.split_documents, stats.dropped_tokens, stats.longest_document) == (1, 2, 12)
+    assert stats.split_warning(10, 4).startswith("1 of 2 documents are longer than --seq-len 10 (the longest: 12 "
+                                                 "tokens) and were split") and "--seq-len 12." in stats.split_warning(10, 4)
+    assert pack_documents([near_fit], seq_len=12, min_length=4)[1].split_warning(12, 4) is None
     fully_labeled = {"input_ids": list(range(1, 16)), "labels": list(range(1, 16))}
     assert pack_documents([fully_labeled], seq_len=10, min_length=4)[1].segments == 2
     with pytest.raises(ValueError, match=r"1 of 2 documents with masked labels .* longer than seq_len=10 \(the "

@@ -31,8 +31,8 @@ if has data; then
   [ -f "$RUN/ruler-test/kjv/manifest.json" ] || "${oda[@]}" ruler --tokenizer "$BASE" "${plain[@]}" \
     --lengths $TEST_LENGTHS --split test --n "$TEST_N" --haystack kjv --out "$RUN/ruler-test/kjv" --no-progress
 fi
-# Rows of SEQ_LEN + 256 tokens: a RULER training document is a prompt of up to SEQ_LEN tokens plus its answer, and
-# cache-supervision refuses to split one (before it did, the 2,048-token prompts' answers fell into dropped tail pieces).
+# Rows of SEQ_LEN + 256 tokens: a RULER training document is a prompt of up to SEQ_LEN tokens plus its answer; packed
+# at SEQ_LEN, the 2,048-token prompts' answers fell into dropped last pieces (cache-supervision now warns of splits).
 has cache && "${oda[@]}" cache-supervision --base "$BASE" --data "$RUN/train.jsonl" --output "$RUN/cache" \
   --sinks "$SINKS" --window "$WINDOW" --tau-hist 0.001 --seq-len "$((SEQ_LEN + 256))" --rows-per-shard 8 --threads 1
 also=(${ALSO_TRAIN_ON:-})  # caches of other runs the head also trains on, if the profile names any

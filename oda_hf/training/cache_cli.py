@@ -70,6 +70,8 @@ def run_cli(args) -> int:
                          f"with an eligible position: use --seq-len >= {min_length} or a smaller --window/--sinks.")
     with user_input("--data"), _needs_datasets():
         rows, stats = pack_documents(read_documents(args.data, tokenizer), args.seq_len, min_length=min_length)
+    if warning := stats.split_warning(args.seq_len, min_length):
+        print(f"[oda] warning: {warning}", file=sys.stderr)
     if stats.documents == 0:
         raise UsageError(f"No training document in {args.data}: it is empty (or holds only blank lines).")
     if not rows:

@@ -138,6 +138,8 @@ def run_cli(args) -> int:
         print(f"[oda] {stats.documents} documents -> {stats.rows} rows of <= {args.seq_len} tokens, {stats.segments} "
               f"segments, {stats.tokens} tokens; {stats.dropped_pieces} pieces shorter than "
               f"{min_length} tokens dropped (no eligible position).", file=sys.stderr)
+        if warning := stats.split_warning(args.seq_len, min_length):
+            print(f"[oda] warning: {warning}", file=sys.stderr)
         if stats.documents == 0:
             raise UsageError(f"No training document in {args.data}: it is empty (or holds only blank lines).")
         if not rows:

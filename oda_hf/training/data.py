@@ -5,7 +5,8 @@ one) is its own segment with ``position_ids`` restarting at 0, and segments neve
 (`layout.py`). A piece shorter than ``min_length`` tokens can hold no eligible position
 (``s + w + 2`` tokens are needed for one) and is dropped rather than packed as dead weight. A document whose
 ``labels`` mask some positions (a prompt with a teacher-forced answer) is never split: its supervised tokens need the
-context before them, and the tail piece that holds them is often too short to keep.
+context before them, and the tail piece that holds them is often too short to keep. Other documents may be split,
+and the commands say how many were and how many tokens that dropped (`PackingStats.split_warning`).
 """
 
 from __future__ import annotations
@@ -101,8 +102,21 @@ class PackingStats:
     rows: int = 0
     segments: int = 0
     dropped_pieces: int = 0
+    dropped_tokens: int = 0
+    split_documents: int = 0  # documents longer than seq_len, packed as pieces
+    longest_document: int = 0
     tokens: int = 0
     with_labels: bool = False
+
+    def split_warning(self, seq_len: int, min_length: int) -> str | None:
+        """What splitting cost, for the commands to print (None: nothing was split)."""
+        if not self.split_documents:
+            return None
+        return (f"{self.split_documents} of {self.documents} documents are longer than --seq-len {seq_len} (the "
+                f"longest: {self.longest_document} tokens) and were split: each piece trains without the ones before "
+                f"it, and {self.dropped_tokens} tokens in last pieces shorter than {min_length} were dropped. If a "
+                f"document ends with what the head must learn from (an answer after a long prompt, as in RULER "
+                f"training documents), pack with --seq-len {self.longest_document}.")
 
 
 def pack_documents(documents: Iterable[dict], seq_len: int, min_length: int = 2) -> tuple[list[dict], PackingStats]:
@@ -136,10 +150,13 @@ def pack_documents(documents: Iterable[dict], seq_len: int, min_length: int = 2)
         stats.documents += 1
         ids = doc["input_ids"]
         labels = doc.get("labels", ids)
+        stats.longest_document = max(stats.longest_document, len(ids))
+        stats.split_documents += len(ids) > seq_len
         for start in range(0, len(ids), seq_len):
             piece = ids[start:start + seq_len]
             if len(piece) < min_length:
                 stats.dropped_pieces += 1
+                stats.dropped_tokens += len(piece)
                 continue
             if len(current["input_ids"]) + len(piece) > seq_len:
                 flush()
