@@ -316,7 +316,23 @@ def test_oda_serve_rejects_a_bad_port_and_dtype(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
-    assert "--port must be an integer in 1..65535" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--port must be an integer in 1..65535" in err and "unknown dtype 'fp8'" in err
+
+
+def test_oda_serve_takes_the_dtype_spellings_the_other_commands_take(monkeypatch):
+    """`--dtype bf16` was refused by `oda serve` alone (the README lists both spellings for every command)."""
+    import argparse
+
+    import oda_hf.vllm as plugin
+    from oda_hf.vllm.server import add_cli, serve_argv
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--base", "organism", "--policy", "local", "--dtype", "bf16"])
+    monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
+    argv = serve_argv(args, [])
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
 
 
 def cpu_cache(num_blocks, heads, block, dim):

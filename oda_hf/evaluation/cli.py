@@ -49,7 +49,8 @@ def add_cli(subparsers) -> None:
                           help="wrap prompts in the tokenizer's chat template (thinking disabled)")
     evaluate.add_argument("--policies", nargs="+", default=["full", "local", "oda"], type=_policy_word,
                           help="any of: full, local (StreamingLLM), oda, random (matched to each ODA threshold), "
-                               "random:P (fixed probability), schedule:K:PERIOD (default: full local oda)")
+                               "random:P (fixed probability), schedule:K:PERIOD, budget:R (the head within a Full-call "
+                               "budget R per request, at each ODA threshold) (default: full local oda)")
     evaluate.add_argument("--thresholds", nargs="+", type=argument(number, "thresholds"), default=None,
                           help="ODA thresholds (default: the head's configured threshold)")
     evaluate.add_argument("--paper-sweep", action="store_true",

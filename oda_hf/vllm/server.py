@@ -251,11 +251,13 @@ def port_number(text: str) -> int:
 
 
 def add_cli(subparsers) -> None:
+    from ..cli_common import dtype_name
     from ..known_models import base_argument, head_argument
 
     parser = subparsers.add_parser(
         "serve", help="serve ODA with vLLM's OpenAI-compatible server (needs the vLLM environment)",
-        description="Runs `vllm serve` with ODA. Arguments after `--` go to vllm serve unchanged "
+        description="Runs vLLM's OpenAI-compatible API server (what `vllm serve` runs) with ODA. Arguments after "
+                    "`--` go to it unchanged "
                     "(e.g. -- --max-model-len 8192).")
     parser.add_argument("--base", type=base_argument, required=True, help="base model folder, or smollm2")
     parser.add_argument("--head", type=head_argument, default=None, help="recall head folder, or smollm2")
@@ -264,7 +266,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
     parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
                         "schedule:K:PERIOD | budget:RATE[:THRESHOLD] (a request may set its own)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
+    parser.add_argument("--dtype", default="float32", type=dtype_name,
+                        help="float32/fp32, bfloat16/bf16, float16/fp16 or auto (vLLM's --dtype)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vllm serve")
