@@ -5,8 +5,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from oda_hf import OdaConfig, OdaForCausalLM
-from tiny_models import FAMILIES, tiny_model
+from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy
+from tiny_models import FAMILIES, left_padded_prompts, tiny_model
 
 
 def padded_prompts(batch=2, length=11, seed=1):
@@ -83,10 +83,6 @@ def test_beam_search_routing_does_not_depend_on_how_many_hypotheses_return():
     """With num_return_sequences == num_beams the returned hypotheses have the cache's row count, and each one's first
     EOS was written onto an unrelated beam slot's routing row (measured: steps per row [10, 4, 11, ...] against 11
     for every row with 1 or 2 returned): the record depends on an output-selection setting only."""
-    from oda_hf import RandomPolicy
-
-    from tiny_models import left_padded_prompts
-
     base = tiny_model("llama")
     ids, mask = left_padded_prompts(2, 9, pads=(3, 0))
     model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=3, policy=RandomPolicy(0.5, seed=1)))

@@ -589,7 +589,6 @@ def test_server_records_count_the_tokens_the_front_end_returned(monkeypatch):
                       "dup-1a2b3c4d": 7, "dup-5e6f7a8b": 7, "reused-1a2b3c4d": 7}  # an id of two requests: as run
 
 
-
 def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(monkeypatch):
     """Two requests with one X-Request-Id were one record (the later overwrote the earlier); /metrics' totals fell
     once the worker dropped its oldest finished records."""
