@@ -589,6 +589,37 @@ def test_server_records_count_the_tokens_the_front_end_returned(monkeypatch):
                       "dup-1a2b3c4d": 7, "dup-5e6f7a8b": 7, "reused-1a2b3c4d": 7}  # an id of two requests: as run
 
 
+def test_metrics_counters_never_fall_when_a_record_is_cut_to_its_returned_tokens(monkeypatch):
+    """/metrics read between the engine's steps past a stop string and the front end's count of the returned tokens
+    reported the untrimmed steps, and a step fewer on the next read: Prometheus reads a falling counter as a
+    restart."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import note_returned, pooled
+    from oda_hf.vllm.server import never_falling, returned_only
+
+    monkeypatch.setattr(requests_module, "_RETURNED", OrderedDict())
+    state = RequestState(RequestRouting("full"))
+    for _ in range(7):
+        state.record(True)
+    records = {"cmpl-s-0-1a2b3c4d": state.summary()}
+    app_state = SimpleNamespace()
+    reads = [never_falling(pooled(returned_only(records)), app_state)]   # the front end has not counted it yet
+    note_returned("cmpl-s-0", 5)                                         # a stop string after 5 tokens
+    assert pooled(returned_only(records))["full_calls"] == 4             # what the record counts now
+    reads.append(never_falling(pooled(returned_only(records)), app_state))
+    later = RequestState(RequestRouting("local"))
+    for _ in range(4):
+        later.record(False)
+    records["cmpl-t-0-5e6f7a8b"] = later.summary()
+    reads.append(never_falling(pooled(returned_only(records)), app_state))
+    assert [(r["full_calls"], r["decided_steps"]) for r in reads] == [(7, 7), (7, 7), (7, 8)]
+    assert reads[-1]["pooled_full_call_rate"] == 7 / 8
+    assert list(reads[-1]["requests"]) == list(records)
+
+
 def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(monkeypatch):
     """Two requests with one X-Request-Id were one record (the later overwrote the earlier); /metrics' totals fell
     once the worker dropped its oldest finished records."""

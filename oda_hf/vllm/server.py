@@ -14,7 +14,9 @@ this module's middleware, which adds:
 
 A stop string is matched outside the engine, which has then run a step or more past it: every record counts only the
 steps of its returned tokens, as the front end counted them (`stats.ReturnedTokens`), except where two requests share
-a caller's id (both kept as run) and in ``/metrics``' totals of records the worker no longer keeps.
+a caller's id (both kept as run) and in ``/metrics``' totals of records the worker no longer keeps. Those counters
+never fall (`never_falling`): read before the front end has counted a request, they hold its extra steps until the
+other requests' steps make them up.
 
 A request picks its routing in the body's ``vllm_xargs``: ``{"oda_policy": "random:0.25", "oda_threshold": 0.1}``.
 """
@@ -66,6 +68,20 @@ async def _counted(records: dict, seconds: float = 1.0) -> None:
     while counting() and loop.time() < deadline and \
             any(returned_tokens(external_request_id(rid)) is None for rid in records):
         await asyncio.sleep(0.002)
+
+
+def never_falling(totals: dict, state) -> dict:
+    """`totals` (of `requests.pooled`) with each count raised to the highest this server has reported (kept on
+    `state`, the app's): Prometheus reads a counter that falls as a restart. A record counts the steps the engine ran
+    past a stop string until the front end has counted the request's returned tokens, and is cut to them after: read
+    in between, the count would fall by those steps. The pooled rate is of the counts reported."""
+    from .requests import COUNTS
+
+    floor = getattr(state, "oda_counter_floor", None) or dict.fromkeys(COUNTS, 0)
+    floor = {name: max(floor[name], totals[name]) for name in COUNTS}
+    state.oda_counter_floor = floor
+    full, decided = floor["full_calls"], floor["decided_steps"]
+    return {**totals, **floor, "pooled_full_call_rate": full / decided if decided else 0.0}
 
 
 def _by_caller_id(records: dict) -> dict:
@@ -132,8 +148,7 @@ async def oda_routing_middleware(request, call_next):
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
         stats = await _stats(request.app)
-        # the counters never fall as records are dropped
-        total = pooled(returned_only(stats["requests"]), stats.get("evicted"))
+        total = never_falling(pooled(returned_only(stats["requests"]), stats.get("evicted")), request.app.state)
         lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps.",
                  "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
                  "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
