@@ -286,6 +286,7 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert all(r["routed_steps"] == 5 and r["policy"] == "schedule:1:2" for r in sampled["requests"].values())
     assert "sometimes" in seen["bad_policy"] and "oda_threshold" in seen["bad_threshold"]
     assert "inside vllm_xargs" in seen["top_level"] and "does not route beam search" in seen["beam"]
+    assert seen["responses_top_level"][0] == 400 and "inside vllm_xargs" in seen["responses_top_level"][1]
     # a stop string: the engine ran past it, every record counts the returned tokens' steps only
     stopped, both = seen["stopped"], seen["stopped_n2"]
     assert stopped["finish_reason"] == "stop" and stopped["tokens"] < 10

@@ -30,7 +30,7 @@ DEFAULT = RequestRouting(policy="head", threshold=0.2)
     ({"oda_policy": "random:1:7"}, RequestRouting("random", 0.2, p=1.0, seed=7)),
     ({"oda_policy": "schedule:2:16"}, RequestRouting("schedule", 0.2, k=2, period=16)),
     ({"oda_policy": "budget:0.25"}, RequestRouting("budget", 0.2, p=0.25)),
-    ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 1}, RequestRouting("budget", 0.5, p=0.25)),
+    ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 0.5}, RequestRouting("budget", 0.5, p=0.25)),
     ({"odata": 1, "other_plugin_key": "x"}, RequestRouting("head", 0.2)),   # keys of other plugins are theirs
 ])
 def test_request_knobs(extra, expected):
@@ -47,6 +47,7 @@ def test_request_knobs(extra, expected):
     ({"oda_policy": "schedule:2.9:4"}, "integer"),
     ({"oda_policy": 5}, "must be a string"),
     ({"oda_policy": "budget:1.5"}, ">= 0 and <= 1"),
+    ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 1}, "give two thresholds"),   # the budget's once won unseen
     ({"oda_threshold": "nan"}, "finite"),
     ({"oda_threshold": "high"}, "must be a number"),
     ({"oda_threshold": True}, "must be a finite number"),
@@ -113,7 +114,7 @@ def test_a_streaming_session_routes_each_turn_afresh_and_keeps_the_counts():
             return "vllm's request state"
 
     runner = object.__new__(type("Runner", (OdaRunnerMixin, Stock), {}))
-    runner.oda_model = SimpleNamespace(oda_settings=SimpleNamespace(default_routing=DEFAULT))
+    runner.oda_model = SimpleNamespace(oda_settings=ServingSettings(None, 4, 16, DEFAULT))
     first = RequestState(RequestRouting("full"), prev_hidden=torch.zeros(2))
     for _ in range(3):
         first.record(True)
@@ -189,6 +190,24 @@ def test_schedule_and_random_decisions():
     assert RequestState(RequestRouting("head")).predecided(1) is None
 
 
+def test_the_samples_of_one_random_request_draw_their_own_steps():
+    """Every sample of an n > 1 request (engine ids <k>_<id>) drew the same Random steps as the others: the samples'
+    routing was one draw, not n (RandomPolicy draws per row)."""
+    from oda_hf.vllm.requests import sample_index
+
+    assert [sample_index(i) for i in ("cmpl-a-0-1a2b", "0_cmpl-a-0-1a2b", "3_cmpl-a-0-1a2b", "12_7-1a2b", "x_1")] == \
+        [0, 0, 3, 12, 0]
+    routing = RequestRouting("random", p=0.5, seed=7)
+
+    def decisions(state: RequestState) -> list:
+        return [state.predecided(step) for step in range(1, 65)]
+
+    draws = [decisions(RequestState(routing, sample=k)) for k in range(3)]
+    assert draws[0] == decisions(RequestState(routing))   # the first sample draws as a request of one sample
+    assert draws[1] != draws[0] and draws[2] != draws[0] and draws[1] != draws[2]
+    assert draws[1] == decisions(RequestState(routing, sample=1))   # seeded
+
+
 def test_budget_holds_at_every_decided_step():
     """The head asks at every step; the budget lets through exactly the calls with calls + 1 <= rate * n."""
     state = RequestState(RequestRouting("budget", p=0.3))
@@ -206,13 +225,14 @@ def test_records_of_a_request_include_its_samples_and_sub_requests():
 
     engine_ids = ["1-92cc8161", "0_1-92cc8161", "1_1-92cc8161", "11-0a0b0c0d", "0_11-0a0b0c0d",  # offline ids
                   "cmpl-ab-0-12345678", "cmpl-ab-1-12345678", "0_cmpl-ab-1-12345678", "cmpl-abc-12345678",
-                  "chatcmpl-x-12345678", "1_chatcmpl-x-12345678", "chatcmpl-x_1-12345678"]
+                  "chatcmpl-x-12345678", "1_chatcmpl-x-12345678", "chatcmpl-x_1-12345678",
+                  "chatcmpl-x-2-9abcdef0", "cmpl-ab_3-9abcdef0"]   # other callers' ids (X-Request-Id x-2, ab_3)
     records = {external_request_id(rid): rid for rid in engine_ids}
     assert records_of(records, "1") == {"1": "1-92cc8161", "0_1": "0_1-92cc8161", "1_1": "1_1-92cc8161"}
     assert list(records_of(records, "11")) == ["11", "0_11"]   # not the samples of "1", nor "1"'s
     assert records_of(records, "cmpl-ab") == {}                 # per-prompt ids only for an OpenAI response
     assert list(_matching(records, "cmpl-ab")) == ["cmpl-ab-0", "cmpl-ab-1", "0_cmpl-ab-1"]  # not cmpl-abc
-    assert list(_matching(records, "chatcmpl-x")) == ["chatcmpl-x", "1_chatcmpl-x", "chatcmpl-x_1"]
+    assert list(_matching(records, "chatcmpl-x")) == ["chatcmpl-x", "1_chatcmpl-x", "chatcmpl-x_1"]  # not x-2
     assert records_of(records, "2") == {}
 
 
@@ -489,19 +509,27 @@ def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
             check_engine_features(bad)
 
 
-def test_oda_serve_refuses_flags_that_would_replace_its_own():
+def test_oda_serve_refuses_flags_that_would_replace_its_own(monkeypatch):
     """`oda serve -- --hf-overrides ...` once replaced ODA's architecture and settings (flags after `--` win): stock
     vLLM under ODA's worker, every request Full, exit 0."""
     from types import SimpleNamespace
 
+    import oda_hf.vllm as plugin
     from oda_hf.vllm.server import serve_argv
 
     args = SimpleNamespace(base="organism", head=None, sinks=None, window=None, threshold=None, policy="local",
                            dtype="float32", host="127.0.0.1", port=8000)
     for flags in (["--hf-overrides", '{"max_position_embeddings": 2048}'], ["--hf_overrides={}"],
-                  ["--model", "other"], ["--model=other"], ["--worker-cls", "x.Worker"]):
+                  ["--model", "other"], ["--model=other"], ["--worker-cls", "x.Worker"],
+                  # vLLM's parser also takes one key of a JSON flag and abbreviations (both once got through)
+                  ["--hf-overrides.max_position_embeddings", "4096"], ["--hf_overrides.rope_theta=20000"],
+                  ["--hf-override", "{}"], ["--worker-cl", "x.Worker"], ["--mode", "other"]):
         with pytest.raises(ValueError, match="would replace what `oda serve` sets itself"):
             serve_argv(args, ["--max-model-len", "512", *flags])
+    # flags that only begin like ODA's are the user's
+    monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
+    argv = serve_argv(args, ["--model-impl", "transformers", "--max-model-len", "512"])
+    assert argv[-4:] == ["--model-impl", "transformers", "--max-model-len", "512"]
 
 
 def test_an_engine_threshold_beside_a_budget_with_its_own_is_refused(tmp_path):
@@ -517,6 +545,31 @@ def test_an_engine_threshold_beside_a_budget_with_its_own_is_refused(tmp_path):
     assert ServingSettings.resolve(head, policy="budget:0.25:0.5").default_routing.threshold == 0.5
     same = ServingSettings.resolve(head, threshold=0.5, policy="budget:0.25:0.5")
     assert ServingSettings.from_override(same.to_override()) == same   # what the engine reads back
+
+
+def test_a_budget_engines_own_threshold_is_not_the_other_policies_default(tmp_path):
+    """An engine served with 'budget:0.25:0.5' routed a request asking for `head` at 0.5, not at the head's
+    calibrated threshold (OdaForCausalLM keeps the head's); a request's oda_threshold beside its own
+    'budget:R:T' was dropped unseen."""
+    import json
+
+    from oda_hf import RecallHead, RecallHeadConfig
+
+    RecallHead(RecallHeadConfig(hidden_size=8, head_width=4)).save_pretrained(tmp_path / "head")
+    (tmp_path / "head" / "oda_config.json").write_text(json.dumps({"threshold": 0.1, "policy": "head"}))
+    served = ServingSettings.resolve(str(tmp_path / "head"), policy="budget:0.25:0.5")
+    worker = ServingSettings.from_override(served.to_override())   # what each worker rebuilds
+    assert worker == served
+    assert worker.routing_for({}) == RequestRouting("budget", threshold=0.5, p=0.25)
+    assert worker.routing_for({"oda_policy": "head"}) == RequestRouting("head", threshold=0.1)
+    assert worker.routing_for({"oda_policy": "budget:0.4"}) == RequestRouting("budget", threshold=0.1, p=0.4)
+    assert worker.routing_for({"oda_threshold": 0.3}) == RequestRouting("budget", threshold=0.3, p=0.25)
+    assert worker.routing_for({"oda_policy": "head", "oda_threshold": 0.3}).threshold == 0.3
+    assert worker.routing_for({"oda_policy": "budget:0.4:0.3", "oda_threshold": 0.3}).threshold == 0.3
+    with pytest.raises(ValueError, match="give two thresholds"):
+        worker.routing_for({"oda_policy": "budget:0.4:0.5", "oda_threshold": 0.1})
+    plain = ServingSettings.resolve(str(tmp_path / "head"))
+    assert ServingSettings.from_override(plain.to_override()).routing_for({"oda_policy": "head"}).threshold == 0.1
 
 
 def test_the_server_refuses_knobs_outside_vllm_xargs_and_beam_search():
@@ -580,13 +633,78 @@ def test_server_records_count_the_tokens_the_front_end_returned(monkeypatch):
     record = state.summary()   # 7 routed steps: 8 tokens generated
     records = {"0_cmpl-a-0-1a2b3c4d": record, "1_cmpl-a-0-1a2b3c4d": record, "cmpl-b-0-5e6f7a8b": record,
                "dup-1a2b3c4d": record, "dup-5e6f7a8b": record, "reused-1a2b3c4d": record}
-    note_returned("0_cmpl-a-0", 5)      # a stop string after 5 tokens
-    note_returned("1_cmpl-a-0", 8)      # no stop: all 8 returned
+    records["cmpl-c-0-9a8b7c6d"] = record
+    note_returned("cmpl-c-0", 5)        # a stop string after 5 tokens
+    # the samples of n > 1: vLLM's front end counts both under the parent's id (its output processor's
+    # external_req_id), so which sample returned how many is unknown: both kept as run
+    note_returned("cmpl-a-0", 5)
+    note_returned("cmpl-a-0", 8)
     for rid in ("dup", "reused", "reused"):
         note_returned(rid, 3)
     routed = {rid: r["routed_steps"] for rid, r in returned_only(records).items()}
-    assert routed == {"0_cmpl-a-0-1a2b3c4d": 4, "1_cmpl-a-0-1a2b3c4d": 7, "cmpl-b-0-5e6f7a8b": 7,  # not yet counted
-                      "dup-1a2b3c4d": 7, "dup-5e6f7a8b": 7, "reused-1a2b3c4d": 7}  # an id of two requests: as run
+    assert routed == {"0_cmpl-a-0-1a2b3c4d": 7, "1_cmpl-a-0-1a2b3c4d": 7, "cmpl-b-0-5e6f7a8b": 7,  # not yet counted
+                      "dup-1a2b3c4d": 7, "dup-5e6f7a8b": 7, "reused-1a2b3c4d": 7,  # an id of two requests: as run
+                      "cmpl-c-0-9a8b7c6d": 4}
+
+
+def test_the_server_waits_for_the_front_ends_count_of_samples_under_their_parents_id(monkeypatch):
+    """Every non-streaming n > 1 response waited the whole second for counts of ids the front end never notes (it
+    counts samples under their parent's id)."""
+    import asyncio
+    import sys
+    import time
+    from collections import OrderedDict
+    from types import ModuleType
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import note_returned
+    from oda_hf.vllm.server import _counted, counted_as
+
+    stats_module = ModuleType("oda_hf.vllm.stats")   # the real one imports vLLM, absent from the test environment
+    stats_module.counting = lambda: True
+    monkeypatch.setitem(sys.modules, "oda_hf.vllm.stats", stats_module)
+    monkeypatch.setattr(requests_module, "_RETURNED", OrderedDict())
+    assert [counted_as(i) for i in ("0_cmpl-a-0", "12_chatcmpl-b", "cmpl-a-0", "job_2", "_x")] == \
+        ["cmpl-a-0", "chatcmpl-b", "cmpl-a-0", "job_2", "_x"]
+    records = {"0_cmpl-a-0-1a2b3c4d": {}, "1_cmpl-a-0-1a2b3c4d": {}, "cmpl-s-0-5e6f7a8b": {}}
+
+    def waited() -> float:
+        start = time.perf_counter()
+        asyncio.run(_counted(records, seconds=0.5))
+        return time.perf_counter() - start
+
+    note_returned("cmpl-a-0", 4)
+    note_returned("cmpl-s-0", 3)
+    assert waited() >= 0.5               # one sample not yet counted
+    note_returned("cmpl-a-0", 6)
+    assert waited() < 0.25
+
+
+def test_odas_worker_refuses_a_model_that_is_not_odas(monkeypatch):
+    """An engine whose hf_overrides lost ODA's architecture ran stock vLLM under ODA's worker: every request Full,
+    admitted with its routing knobs, exit 0."""
+    import sys
+    from types import ModuleType
+
+    from oda_hf.vllm.runner import OdaRunnerMixin
+
+    model_module = ModuleType("oda_hf.vllm.model")   # the real one imports vLLM, absent from the test environment
+    model_module.OdaCausalLMMixin = type("OdaCausalLMMixin", (), {})
+    monkeypatch.setitem(sys.modules, "oda_hf.vllm.model", model_module)
+
+    class StockLlama:
+        pass
+
+    class Stock:
+        def load_model(self, *args, **kwargs):
+            pass
+
+        def get_model(self):
+            return StockLlama()
+
+    runner = object.__new__(type("Runner", (OdaRunnerMixin, Stock), {}))
+    with pytest.raises(ValueError, match="ODA's worker loaded StockLlama, not one of ODA's model classes"):
+        runner.load_model()
 
 
 def test_metrics_counters_never_fall_when_a_record_is_cut_to_its_returned_tokens(monkeypatch):
@@ -659,6 +777,11 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
         stats = runner.oda_routing_stats()
         seen.append(pooled(stats["requests"], stats["evicted"])["full_calls"])
     assert seen == [5, 10, 15, 20] and len(runner.oda_finished) == 2
+    # one response's records alone (each response once carried every record kept): engine ids "2", "3" here
+    runner.oda_states["cmpl-q-0-1a2b3c4d"] = RequestState(RequestRouting("local"))
+    assert list(runner.oda_routing_stats("cmpl-q")["requests"]) == ["cmpl-q-0-1a2b3c4d"]
+    assert list(runner.oda_routing_stats("3")["requests"]) == ["3"]
+    assert runner.oda_routing_stats("cmpl-q")["evicted"]["full_calls"] == 10
 
 
 def test_a_gpu_engine_is_eager_and_schedules_synchronously(monkeypatch):

@@ -5,6 +5,7 @@ Run by tests/test_vllm_plugin.py (the OpenAI server test) with the vLLM environm
 
 import json
 import sys
+import urllib.error
 import urllib.request
 
 
@@ -44,6 +45,14 @@ def main(port: int, model: str, ids: list) -> None:
             seen[name] = None
         except openai.BadRequestError as err:
             seen[name] = str(err)
+    # vLLM's other generation paths ignore unknown top-level fields too
+    misplaced = urllib.request.Request(f"{base}/v1/responses", method="POST", headers={"Content-Type": "application/json"},
+                                       data=json.dumps({"model": model, "input": "hi", "oda_policy": "local"}).encode())
+    try:
+        with urllib.request.urlopen(misplaced) as response:
+            seen["responses_top_level"] = response.status
+    except urllib.error.HTTPError as err:
+        seen["responses_top_level"] = [err.code, json.load(err)["error"]["message"]]
     # a stop string is matched outside the engine, which runs on meanwhile: the record counts returned tokens only
     stop = " " + seen["completion"]["text"].split()[4]
     stopped = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, stop=[stop],

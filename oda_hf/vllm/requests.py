@@ -86,19 +86,28 @@ def is_oda_key(key) -> bool:
     return isinstance(key, str) and key.strip().lower().replace("-", "_").startswith("oda_")
 
 
-def request_routing(extra_args: dict | None, default: RequestRouting) -> RequestRouting:
-    """The routing a request asks for in its extra args, over the engine's `default` (ValueError if invalid)."""
+def request_routing(extra_args: dict | None, default: RequestRouting,
+                    default_threshold: float | None = None) -> RequestRouting:
+    """The routing a request asks for in its extra args, over the engine's `default` (ValueError if invalid).
+    `default_threshold`: the threshold of a request that names its own policy and no threshold (the head's; the
+    default policy's when None). It differs from ``default.threshold`` when the engine's policy is a budget with its
+    own threshold, which `OdaForCausalLM` also applies to that policy alone."""
     extra_args = extra_args or {}
     misspelled = [key for key in extra_args if is_oda_key(key) and key not in KNOWN_KEYS]
     if misspelled:  # served with the engine's default instead, it would look like ODA had ignored the request's knob
         raise ValueError(f"Unknown ODA request key(s) {', '.join(map(repr, misspelled))}: ODA reads "
                          f"{POLICY_KEY!r} and {THRESHOLD_KEY!r}, spelled exactly so.")
-    threshold = default.threshold
-    if extra_args.get(THRESHOLD_KEY) is not None:
-        threshold = _number(extra_args[THRESHOLD_KEY], THRESHOLD_KEY)
+    asked = extra_args.get(THRESHOLD_KEY)
+    asked = None if asked is None else _number(asked, THRESHOLD_KEY)
     if extra_args.get(POLICY_KEY) is None:
-        return RequestRouting(**{**default.__dict__, "threshold": threshold})
-    return parse_policy(extra_args[POLICY_KEY], threshold)
+        return RequestRouting(**{**default.__dict__, "threshold": default.threshold if asked is None else asked})
+    routing = parse_policy(extra_args[POLICY_KEY],
+                           asked if asked is not None else default.threshold if default_threshold is None
+                           else default_threshold)
+    if asked is not None and routing.threshold != asked:   # the budget's own threshold would win, unseen
+        raise ValueError(f"{POLICY_KEY} {extra_args[POLICY_KEY]!r} and {THRESHOLD_KEY} {asked} give two thresholds: "
+                         f"give it once ({THRESHOLD_KEY} with 'budget:RATE', or 'budget:RATE:T' alone).")
+    return routing
 
 
 @dataclass
@@ -115,12 +124,13 @@ class RequestState:
     recomputed_tokens: int = 0   # generated tokens whose KV was recomputed (as routed) after a preemption
     generator: object | None = None   # torch.Generator of a Random request (torch imported here: `oda --help` stays fast)
     earlier_turns: dict | None = None  # a streaming-input session's earlier turns: their `summary`
+    sample: int = 0              # which sample of an n > 1 request (`sample_index`)
 
     def __post_init__(self):
         if self.routing.policy == "random":
             import torch
 
-            self.generator = torch.Generator().manual_seed(self.routing.seed)
+            self.generator = torch.Generator().manual_seed(sample_seed(self.routing.seed, self.sample))
 
     def record(self, full: bool, score: float = math.nan, decided_step: bool = True) -> None:
         """Count one routed step: its decision (True = Full), the head's score if it ran, and whether it was past
@@ -170,6 +180,23 @@ class RequestState:
                 "scores": earlier.get("scores", []) + [None if math.isnan(score) else score for score in self.scores]}
 
 
+def sample_index(request_id: str) -> int:
+    """k of the k-th sample of an ``n > 1`` request (vLLM serves it as the request ``<k>_<id>``); 0 for any other."""
+    sample, underscore, rest = request_id.partition("_")
+    return int(sample) if underscore and rest and sample.isdigit() else 0
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The Random policy's seed for one sample: `seed` itself for the first (and for a request of one sample), a seed
+    derived from both for the others, so that the samples of one request draw independently (as the rows of a batch
+    do in `RandomPolicy`) rather than all recalling on the same steps."""
+    if sample == 0:
+        return seed
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}:{sample}".encode()).digest()[:8], "little") >> 1
+
+
 def cacheable_tokens(request) -> int:
     """How many of a request's leading tokens prefix caching may share: those a Full prefill wrote, its prompt. A
     streaming-input session (vLLM's resumable request) counts each turn's earlier output as prompt, decoded with Local
@@ -199,8 +226,12 @@ def records_of(records: dict, request_id: str, sub_requests: bool = False, key=N
 
 
 def _is_sub_request(rid: str, request_id: str) -> bool:
+    """Whether `rid` is one prompt's request of the OpenAI response `request_id`: ``<id>_<i>`` for a chat response
+    (``chatcmpl-...``), ``<id>-<i>`` otherwise; never the other form (the request of caller id ``job-2`` is no part of
+    the chat response of ``job``)."""
     rest = rid[len(request_id):] if rid.startswith(request_id) else ""
-    return len(rest) > 1 and rest[0] in "-_" and rest[1:].isdigit()
+    separator = "_" if request_id.startswith("chatcmpl-") else "-"
+    return len(rest) > 1 and rest[0] == separator and rest[1:].isdigit()
 
 
 def trimmed(record: dict, steps: int) -> dict:
@@ -232,6 +263,11 @@ def note_returned(request_id: str, tokens: int) -> None:
     _RETURNED.move_to_end(request_id)
     while len(_RETURNED) > FINISHED_KEPT:
         _RETURNED.popitem(last=False)
+
+
+def times_returned(request_id: str) -> int:
+    """How many finished requests with this caller's id the front end has counted."""
+    return len(_RETURNED.get(request_id, ()))
 
 
 def returned_tokens(request_id: str) -> int | None:

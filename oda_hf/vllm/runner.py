@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .requests import COUNTS, FINISHED_KEPT, RequestState, pooled, request_routing
+from .requests import COUNTS, FINISHED_KEPT, RequestState, pooled, sample_index
 
 
 def is_decode_step(count: int, computed: int, prompt_tokens: int, state: RequestState) -> bool:
@@ -58,7 +58,14 @@ class OdaRunnerMixin:
         from .model import OdaCausalLMMixin
 
         model = self.get_model()
-        self.oda_model = model if isinstance(model, OdaCausalLMMixin) else None
+        if not isinstance(model, OdaCausalLMMixin):
+            # ODA's worker runs only ODA's model classes: another one here means the engine's hf_overrides lost
+            # their ODA architecture (e.g. replaced by a user's flag), and every request would be served by stock
+            # vLLM, with Full attention, as if routed.
+            raise ValueError(f"ODA's worker loaded {type(model).__name__}, not one of ODA's model classes: the engine's "
+                             "hf_overrides do not name an ODA architecture (were they replaced?). Build the engine "
+                             "with oda_hf.vllm.engine_args(...) or `oda serve`, and leave --hf-overrides to them.")
+        self.oda_model = model
         self.oda_states: dict[str, RequestState] = {}
         self.oda_finished: OrderedDict[str, dict] = OrderedDict()
         # counts of the finished records dropped beyond FINISHED_KEPT: /metrics' totals never fall
@@ -93,14 +100,23 @@ class OdaRunnerMixin:
         req_state = super()._update_streaming_request(req_id, new_req_data)
         if earlier is not None:
             extra = getattr(new_req_data.sampling_params, "extra_args", None)
-            routing = request_routing(extra, self.oda_model.oda_settings.default_routing)
-            self.oda_states[req_id] = RequestState(routing, earlier_turns=earlier.summary())
+            routing = self.oda_model.oda_settings.routing_for(extra)
+            self.oda_states[req_id] = RequestState(routing, earlier_turns=earlier.summary(),
+                                                   sample=sample_index(req_id))
         return req_state
 
-    def oda_routing_stats(self) -> dict:
+    def oda_routing_stats(self, response_id: str | None = None) -> dict:
         """Counts per engine request id (finished and running) and the pooled Full-call rate over them; `evicted`:
-        the summed counts of the finished records no longer kept."""
-        stats = pooled({**self.oda_finished, **{rid: s.summary() for rid, s in self.oda_states.items()}})
+        the summed counts of the finished records no longer kept. `response_id`: only the records of that OpenAI
+        response (`requests.records_of`), so that each response does not carry every record kept between steps."""
+        finished, running = self.oda_finished, self.oda_states
+        if response_id is not None:
+            from . import external_request_id
+            from .requests import records_of
+
+            finished = records_of(finished, response_id, sub_requests=True, key=external_request_id)
+            running = records_of(running, response_id, sub_requests=True, key=external_request_id)
+        stats = pooled({**finished, **{rid: s.summary() for rid, s in running.items()}})
         stats["evicted"] = dict(self.oda_evicted)
         return stats
 
@@ -117,7 +133,7 @@ class OdaRunnerMixin:
         num_reqs = batch.num_reqs
         starts = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        default = self.oda_model.oda_settings.default_routing
+        settings = self.oda_model.oda_settings
         counts, seq_lens, decode, states, prompt_lens = [], [], [], [], []
         for row in range(num_reqs):
             req_id = batch.req_ids[row]
@@ -125,7 +141,8 @@ class OdaRunnerMixin:
             state = self.oda_states.get(req_id)
             if state is None:
                 extra = getattr(request.sampling_params, "extra_args", None)
-                state = self.oda_states[req_id] = RequestState(request_routing(extra, default))
+                state = self.oda_states[req_id] = RequestState(settings.routing_for(extra),
+                                                               sample=sample_index(req_id))
             count = starts[row + 1] - starts[row]
             counts.append(count)
             seq_lens.append(computed[row] + count)

@@ -14,7 +14,8 @@ this module's middleware, which adds:
 
 A stop string is matched outside the engine, which has then run a step or more past it: every record counts only the
 steps of its returned tokens, as the front end counted them (`stats.ReturnedTokens`), except where two requests share
-a caller's id (both kept as run) and in ``/metrics``' totals of records the worker no longer keeps. Those counters
+a caller's id (both kept as run), for the samples of ``n > 1`` (the front end counts them under their parent's id: kept
+as run) and in ``/metrics``' totals of records the worker no longer keeps. Those counters
 never fall (`never_falling`): read before the front end has counted a request, they hold its extra steps until the
 other requests' steps make them up.
 
@@ -31,11 +32,15 @@ import sys
 
 ROUTING_PATH = "/v1/oda/routing"
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Every path that generates from a JSON body with vllm_xargs: a misplaced ODA key is refused on each.
+GENERATION_PATHS = (*COMPLETION_PATHS, "/v1/responses", "/v1/messages")
 
 
-async def _stats(app) -> dict:
-    """The engine's routing stats: records keyed by engine request id, and `evicted` counts."""
-    return (await app.state.engine_client.collective_rpc("oda_routing_stats"))[0]
+async def _stats(app, response_id: str | None = None) -> dict:
+    """The engine's routing stats: records keyed by engine request id (those of `response_id` alone, if given), and
+    `evicted` counts."""
+    kwargs = None if response_id is None else {"response_id": response_id}
+    return (await app.state.engine_client.collective_rpc("oda_routing_stats", kwargs=kwargs))[0]
 
 
 def returned_only(records: dict) -> dict:
@@ -55,18 +60,32 @@ def returned_only(records: dict) -> dict:
     return kept
 
 
+def counted_as(caller_id: str) -> str:
+    """The id under which vLLM's front end counts a request's returned tokens: a sample of ``n > 1`` (engine id
+    ``<k>_<id>``) under its parent's, so its count cannot be told from its siblings' and its record is kept as run."""
+    sample, _, parent = caller_id.partition("_")
+    return parent if sample.isdigit() and parent else caller_id
+
+
 async def _counted(records: dict, seconds: float = 1.0) -> None:
     """Wait (at most `seconds`) until the front end has counted the returned tokens of every request in `records`
     (keyed by engine id). A response is complete before vLLM's output loop reaches its stat loggers: for a stop string
     it first sends the engine the abort."""
+    from collections import Counter
+
     from . import external_request_id
-    from .requests import returned_tokens
+    from .requests import times_returned
     from .stats import counting
+
+    callers = [external_request_id(rid) for rid in records]
+    samples = Counter(map(counted_as, callers))
+
+    def pending(caller: str) -> bool:
+        return not times_returned(caller) and times_returned(counted_as(caller)) < samples[counted_as(caller)]
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    while counting() and loop.time() < deadline and \
-            any(returned_tokens(external_request_id(rid)) is None for rid in records):
+    while counting() and loop.time() < deadline and any(map(pending, callers)):
         await asyncio.sleep(0.002)
 
 
@@ -138,8 +157,8 @@ async def oda_routing_middleware(request, call_next):
     note_served_head_from_config(getattr(request.app.state, "vllm_config", None))
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
-        records = returned_only((await _stats(request.app))["requests"])
         wanted = request.query_params.get("request_id")
+        records = returned_only((await _stats(request.app, wanted))["requests"])
         records = _by_caller_id(records if wanted is None else _matching(records, wanted))
         if wanted is not None and not records:
             return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
@@ -161,7 +180,7 @@ async def oda_routing_middleware(request, call_next):
         headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         return Response(body + ("\n".join(lines) + "\n").encode(), status_code=response.status_code,
                         headers=headers)
-    if path in COMPLETION_PATHS and request.method == "POST":
+    if path in GENERATION_PATHS and request.method == "POST":
         try:
             why = refusal(json.loads(await request.body()))
         except ValueError:   # not JSON: vLLM answers that itself
@@ -178,7 +197,8 @@ async def oda_routing_middleware(request, call_next):
         data = json.loads(body)
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
-    mine = _matching((await _stats(request.app))["requests"], str(data.get("id", "")))
+    response_id = str(data.get("id", ""))
+    mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
     await _counted(mine)
     records = _by_caller_id(returned_only(mine))
     choices, usage = data.get("choices") or [], data.get("usage") or {}
@@ -197,12 +217,24 @@ OWN_FLAGS = {"--model": "--base", "--hf-overrides": "--base / --head / --sinks /
              "--worker-cls": "nothing (ODA's worker is required)"}
 
 
+def _own_flag(arg: str) -> str | None:
+    """The flag of `OWN_FLAGS` that `arg` sets, as vLLM's parser reads it: the flag itself, ``_`` for ``-``, a
+    prefix of it (argparse takes abbreviations: ``--hf-override``) or one key of it (``--hf-overrides.KEY``, which
+    replaces the whole JSON)."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    name = arg.split("=", 1)[0].replace("_", "-")
+    for flag in OWN_FLAGS:
+        if name == flag or name.startswith(flag + ".") or (len(name) > 3 and flag.startswith(name)):
+            return flag
+    return None
+
+
 def check_passthrough(passthrough: list[str]) -> None:
     for arg in passthrough:
-        name = arg.split("=", 1)[0].replace("_", "-")
-        if name in OWN_FLAGS:
-            raise ValueError(f"{arg.split('=', 1)[0]} after `--` would replace what `oda serve` sets itself (ODA's "
-                             f"model class and settings); use {OWN_FLAGS[name]} instead.")
+        if (flag := _own_flag(arg)) is not None:
+            raise ValueError(f"{arg.split('=', 1)[0]} after `--` sets {flag}, which would replace what `oda serve` "
+                             f"sets itself (ODA's model class and settings); use {OWN_FLAGS[flag]} instead.")
 
 
 def serve_argv(args, passthrough: list[str]) -> list[str]:

@@ -96,10 +96,18 @@ class ServingSettings:
     sinks: int
     window: int
     default_routing: RequestRouting
+    # the threshold of requests that name their own policy: the head's (or the one given), also where the default
+    # policy is a budget with its own; None: default_routing's
+    threshold: float | None = None
+
+    def routing_for(self, extra_args: dict | None) -> RequestRouting:
+        """A request's routing: its knobs (``vllm_xargs``) over these defaults (ValueError if invalid)."""
+        return request_routing(extra_args, self.default_routing, self.threshold)
 
     @classmethod
     def resolve(cls, head: str | None = None, sinks: int | None = None, window: int | None = None,
-                threshold: float | None = None, policy: str | None = None) -> "ServingSettings":
+                threshold: float | None = None, policy: str | None = None, *,
+                from_override: bool = False) -> "ServingSettings":
         """Routing defaults as `OdaForCausalLM.from_pretrained` takes them (the head folder's ``oda_config.json``,
         else the geometry the head was trained with, else `OdaConfig`'s defaults), with the explicit values over
         them, validated by `OdaConfig`. Policy: ``head`` with a head, ``local`` without one."""
@@ -125,22 +133,28 @@ class ServingSettings:
         if policy is None:
             policy = routing.policy if head is not None else "local"
         default = parse_policy(policy, routing.threshold)
-        if threshold is not None and default.policy == "budget" and default.threshold != routing.threshold:
-            # the budget's own threshold would also become the default of requests that pick `head`
+        if threshold is not None and default.policy == "budget" and default.threshold != routing.threshold \
+                and not from_override:   # `to_override` writes both: the budget's and the other policies'
             raise ValueError(f"threshold={threshold} and policy={policy!r} give two thresholds: give it once "
                              "(threshold=T with policy 'budget:RATE', or 'budget:RATE:T' alone).")
         if default.policy in ("head", "budget") and head is None:
             raise ValueError(f"policy {default.policy!r} needs a recall head: pass head=<folder> (or policy full/local/random/"
                              "schedule for a baseline without one).")
-        return cls(head=head, sinks=routing.sinks, window=routing.window, default_routing=default)
+        return cls(head=head, sinks=routing.sinks, window=routing.window, default_routing=default,
+                   threshold=routing.threshold)
 
     def to_override(self) -> dict:
+        policy = self.default_routing.spec()
+        if self.default_routing.policy == "budget" and self.default_routing.threshold != self.threshold:
+            policy += f":{self.default_routing.threshold!r}"   # the budget's own threshold
         return {"head": self.head, "sinks": self.sinks, "window": self.window,
-                "threshold": self.default_routing.threshold, "policy": self.default_routing.spec()}
+                "threshold": self.default_routing.threshold if self.threshold is None else self.threshold,
+                "policy": policy}
 
     @classmethod
     def from_override(cls, values: dict | None) -> "ServingSettings":
         if not isinstance(values, dict):
             raise ValueError("This model needs ODA settings in its config (`oda`): build the engine with "
                              "oda_hf.vllm.engine_args(...) or `oda serve`.")
-        return cls.resolve(**{key: values.get(key) for key in ("head", "sinks", "window", "threshold", "policy")})
+        return cls.resolve(**{key: values.get(key) for key in ("head", "sinks", "window", "threshold", "policy")},
+                           from_override=True)
