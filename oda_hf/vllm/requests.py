@@ -40,15 +40,15 @@ class RequestRouting:
     def spec(self) -> str:
         """The policy as `parse_policy` reads it (the threshold is separate)."""
         if self.policy == "random":
-            return f"random:{_exact(self.p)}:{self.seed}"
+            return f"random:{exact_text(self.p)}:{self.seed}"
         if self.policy == "schedule":
             return f"schedule:{self.k}:{self.period}"
         if self.policy == "budget":
-            return f"budget:{_exact(self.p)}"
+            return f"budget:{exact_text(self.p)}"
         return self.policy
 
 
-def _exact(value: float) -> str:
+def exact_text(value: float) -> str:
     """`value` as text that reads back as the same float (the engine's default policy reaches the workers as text):
     short where that is exact (0.25), every digit where not (0.1234567, not 0.123457)."""
     short = f"{value:g}"
@@ -180,10 +180,17 @@ class RequestState:
                 "scores": earlier.get("scores", []) + [None if math.isnan(score) else score for score in self.scores]}
 
 
+def sample_of(request_id: str) -> tuple[int, str] | None:
+    """``(k, id)`` when `request_id` is the k-th sample of an ``n > 1`` request (vLLM serves it as the request
+    ``<k>_<id>``); None for any other."""
+    sample, underscore, parent = request_id.partition("_")
+    return (int(sample), parent) if underscore and parent and sample.isdigit() else None
+
+
 def sample_index(request_id: str) -> int:
-    """k of the k-th sample of an ``n > 1`` request (vLLM serves it as the request ``<k>_<id>``); 0 for any other."""
-    sample, underscore, rest = request_id.partition("_")
-    return int(sample) if underscore and rest and sample.isdigit() else 0
+    """k of the k-th sample of an ``n > 1`` request; 0 for any other."""
+    sample = sample_of(request_id)
+    return 0 if sample is None else sample[0]
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -214,8 +221,8 @@ def records_of(records: dict, request_id: str, sub_requests: bool = False, key=N
     def matches(rid: str) -> bool:
         if rid == request_id:
             return True
-        sample, underscore, parent = rid.partition("_")
-        if underscore and sample.isdigit() and matches_parent(parent):  # one sample of a parallel-sampling request
+        sample = sample_of(rid)
+        if sample is not None and matches_parent(sample[1]):  # one sample of a parallel-sampling request
             return True
         return sub_requests and _is_sub_request(rid, request_id)
 

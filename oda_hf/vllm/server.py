@@ -63,8 +63,10 @@ def returned_only(records: dict) -> dict:
 def counted_as(caller_id: str) -> str:
     """The id under which vLLM's front end counts a request's returned tokens: a sample of ``n > 1`` (engine id
     ``<k>_<id>``) under its parent's, so its count cannot be told from its siblings' and its record is kept as run."""
-    sample, _, parent = caller_id.partition("_")
-    return parent if sample.isdigit() and parent else caller_id
+    from .requests import sample_of
+
+    sample = sample_of(caller_id)
+    return caller_id if sample is None else sample[1]
 
 
 async def _counted(records: dict, seconds: float = 1.0) -> None:
@@ -78,10 +80,11 @@ async def _counted(records: dict, seconds: float = 1.0) -> None:
     from .stats import counting
 
     callers = [external_request_id(rid) for rid in records]
-    samples = Counter(map(counted_as, callers))
+    samples = Counter(map(counted_as, callers))   # requests the front end counts under each id
 
     def pending(caller: str) -> bool:
-        return not times_returned(caller) and times_returned(counted_as(caller)) < samples[counted_as(caller)]
+        counted = counted_as(caller)
+        return not times_returned(caller) and times_returned(counted) < samples[counted]
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .requests import POLICY_KEY, RequestRouting, parse_policy, request_routing
+from .requests import POLICY_KEY, RequestRouting, exact_text, parse_policy, request_routing
 
 # Whether an engine configured in this process (by `engine_args`, which `oda serve` also calls) serves a recall head:
 # "1" once any does, else "0"; unset when no engine was configured here (e.g. `vllm serve` with hand-written
@@ -146,7 +146,7 @@ class ServingSettings:
     def to_override(self) -> dict:
         policy = self.default_routing.spec()
         if self.default_routing.policy == "budget" and self.default_routing.threshold != self.threshold:
-            policy += f":{self.default_routing.threshold!r}"   # the budget's own threshold
+            policy += f":{exact_text(self.default_routing.threshold)}"   # the budget's own threshold
         return {"head": self.head, "sinks": self.sinks, "window": self.window,
                 "threshold": self.default_routing.threshold if self.threshold is None else self.threshold,
                 "policy": policy}
