@@ -626,8 +626,9 @@ def _base_of_head_folder(name: str, head, base_kwargs: dict):
             f"The recall head {name!r} does not record its base model (base_model_name_or_path). Pass the base "
             f"explicitly: OdaForCausalLM.from_pretrained(<base>, head={name!r})."
         )
-    if not os.path.isabs(recorded) and not os.path.exists(recorded) and os.path.isdir(os.path.join(name, recorded)):
-        recorded = os.path.join(name, recorded)  # a base path recorded relative to the head folder
+    beside = os.path.join(os.path.expanduser(name), recorded)
+    if not os.path.isabs(recorded) and not os.path.exists(recorded) and os.path.isdir(beside):
+        recorded = beside  # a base path recorded relative to the head folder
     if values.get("base_model_revision") and "revision" not in base_kwargs:
         base_kwargs["revision"] = values["base_model_revision"]
     logger.info(f"Loading the base model {recorded!r} recorded by the recall head {name!r}.")

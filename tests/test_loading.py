@@ -116,3 +116,16 @@ def test_shipped_organism_head_records_its_shipped_backbone(caplog):
         model, _, _ = load_organism()
     assert MISMATCH not in caplog.text
     assert model.recall_head.config.base_fingerprint == base_fingerprint(model.base_model)
+
+
+def test_a_base_recorded_relative_to_a_head_folder_given_with_tilde(tmp_path, monkeypatch):
+    """A head folder named with ``~`` finds a base recorded relative to it (not a same-named folder elsewhere)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    base = tiny_model("qwen3", seed=0)
+    base.save_pretrained(tmp_path / "base")
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8, base_model_name_or_path="../../base"))
+    OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4)).save_pretrained(tmp_path / "heads" / "h")
+    (tmp_path / "work" / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work" / "a" / "b")  # no "../../base" from the working folder
+    model = OdaForCausalLM.from_pretrained("~/heads/h")
+    assert base_fingerprint(model.base_model) == base_fingerprint(base)
