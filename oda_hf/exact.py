@@ -126,7 +126,8 @@ class ExactRecord:
 def sample_from(probs: torch.Tensor, uniform: float) -> int:
     """The token at `uniform` in [0, 1) of the cumulative distribution `probs` ``[vocab]`` (inverse CDF)."""
     cdf = probs.double().cumsum(0)
-    index = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    point = torch.tensor([uniform * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    index = int(torch.searchsorted(cdf, point, right=True))
     return min(index, probs.shape[0] - 1)
 
 
@@ -223,6 +224,11 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
     if oda_fast and fast_path_enabled():
         longest = int(request.attention_mask.sum(dim=1).max())
         engine = engine_for(model, 1, longest + request.max_new_tokens + settings.max_draft + 1)
+    if not bool(request.attention_mask[:, -1].all()):
+        # Rows are decoded unpadded, so a right-padded row would continue from its last real token, where stock
+        # generate() continues after the pad columns: another output than the Full one promised.
+        raise ValueError("Exact mode supports left padding only: the last column must be a real token in every row "
+                         "(pad on the left, e.g. tokenizer.padding_side='left').")
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
     batch = request.input_ids.shape[0]
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)

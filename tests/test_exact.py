@@ -267,6 +267,9 @@ def test_sampling_gives_full_distribution():
     (dict(oda_mode="fast"), ValueError, "oda_mode must be 'approximate'"),
     (dict(oda_fast=True, num_beams=2), ValueError, "is not supported with oda_mode='exact'"),
     (dict(output_scores=True, return_dict_in_generate=True), ValueError, "output_scores / output_logits"),
+    # stock generate() refuses token healing without a tokenizer, and exact mode refuses tokenizer=: never honoured
+    (dict(token_healing=True), ValueError, "token_healing is not supported with oda_mode='exact'"),
+    (dict(oda_fast=True, token_healing=True), ValueError, "token_healing is not supported with oda_mode='exact'"),
 ])
 def test_bad_exact_settings(kwargs, error, fragment):
     model = exact_model("qwen3")
@@ -274,6 +277,34 @@ def test_bad_exact_settings(kwargs, error, fragment):
     with pytest.raises(error) as info:
         model.generate(torch.randint(3, 90, (1, 12)), max_new_tokens=4, do_sample=False, pad_token_id=0, **kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("oda_fast", [False, True])
+def test_exact_refuses_right_padding(oda_fast):
+    """Found by an audit: a right-padded row was decoded from its last real token (rows are decoded unpadded),
+    where stock generate() continues after the pad columns: another output than Full's, exit 0."""
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (2, 14), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    with pytest.raises(ValueError, match="Exact mode supports left padding only"):
+        model.generate(ids.masked_fill(mask == 0, 0), attention_mask=mask, max_new_tokens=8, do_sample=False,
+                       pad_token_id=0, oda_mode="exact", oda_fast=oda_fast)
+    mask[1, -4:], mask[1, :4] = 1, 0   # the same row left-padded: Full's output
+    ids = ids.masked_fill(mask == 0, 0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                      oda_mode="exact", oda_fast=oda_fast),
+                       model.base_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                                 pad_token_id=0))
+
+
+def test_the_fast_path_refuses_token_healing():
+    from oda_hf.engine.support import FastPathUnsupported
+
+    model = exact_model("qwen3")
+    with pytest.raises(FastPathUnsupported, match="token_healing"):
+        model.generate(torch.randint(3, 90, (1, 12)), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       token_healing=True, oda_fast=True)
 
 
 def test_exact_refuses_a_budget_it_would_not_apply():

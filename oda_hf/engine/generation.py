@@ -86,6 +86,7 @@ def resolve_request(model, inputs, generation_config, kwargs: dict, refuse=None)
                                                           or generation_config.output_hidden_states),
         "max_time": generation_config.max_time is not None,
         "stop_strings": generation_config.stop_strings is not None,
+        "token_healing": bool(getattr(generation_config, "token_healing", False)),
         f"cache_implementation={generation_config.cache_implementation!r}":
             generation_config.cache_implementation not in (None, "dynamic"),
     }
