@@ -119,14 +119,44 @@ def test_a_streaming_session_routes_each_turn_afresh_and_keeps_the_counts():
     for _ in range(3):
         first.record(True)
     runner.oda_states = {"s": first}
+    runner.requests = {"s": SimpleNamespace(num_prompt_tokens=10)}   # the first turn's prompt
     turn = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"oda_policy": "local"}))
     assert runner._update_streaming_request("s", turn) == "vllm's request state"
     state = runner.oda_states["s"]
     assert state.routing == RequestRouting("local", 0.2) and state.routed_steps == 0 and state.prev_hidden is None
+    assert state.earlier_steps == [(10, [True, True, True])] and state.turn == 1   # positions 10-12, for a replay
     state.record(False)
     summary = state.summary()
     assert (summary["routed_steps"], summary["full_calls"], summary["decisions"]) == (4, 3, [True, True, True, False])
     assert summary["full_call_rate"] == 0.75 and summary["policy"] == "local"
+    third = state.next_turn(RequestRouting("full"), prompt_tokens=20)   # turn 2's prompt: 10 + 3 outputs + 7 new
+    assert third.earlier_steps == [(10, [True, True, True]), (20, [False])] and third.turn == 2
+    assert third.summary()["decisions"] == [True, True, True, False]
+    coin = RequestRouting("random", p=0.5, seed=3)   # a later turn draws anew, not the first turn's draws again
+    turns = [RequestState(coin), RequestState(coin).next_turn(coin, 10), RequestState(coin, sample=1)]
+    draws = [[turn.predecided(i) for i in range(1, 65)] for turn in turns]
+    assert draws[0] != draws[1] and draws[1] != draws[2]
+    generator = torch.Generator().manual_seed(3)   # the first turn draws with seed 3 itself, as before
+    assert draws[0] == [bool(torch.rand(1, generator=generator).item() < 0.5) for _ in range(64)]
+
+
+def test_a_recomputed_streaming_session_replays_its_earlier_turns_local_steps():
+    """After a preemption, a streaming session's later turn recomputes its whole prompt, which holds the earlier
+    turns' generated tokens: each is recomputed the way its step went (Local ones attend Local), not with Full
+    attention, so its KV is what the decode wrote (found by an audit: the session then diverged, exit 0)."""
+    from oda_hf.vllm.requests import replay_flags
+
+    first = RequestState(RequestRouting("schedule", k=1, period=2))   # turn 1: prompt 30, steps Full, Local, ...
+    for step in range(1, 7):
+        first.record(first.predecided(step), decided_step=30 + step > 8)
+    state = first.next_turn(RequestRouting("local"), prompt_tokens=30)   # turn 2's prompt: 30 + 6 outputs + 4 new
+    flags, head = replay_flags(state, prompt=40, first=28, count=12, span=8)   # a recompute chunk, positions 28-39
+    assert flags == [False, False] + [False, True] * 3 + [False] * 4 and not head
+    assert state.recomputed_tokens == 6
+    assert state.reaches_earlier_steps(28, 3) and not state.reaches_earlier_steps(0, 30)
+    assert not state.reaches_earlier_steps(36, 4)
+    prompt_only = replay_flags(first.next_turn(RequestRouting("full"), 30), prompt=40, first=0, count=30, span=8)
+    assert prompt_only == ([False] * 30, False)   # the first turn's own prompt: Full, as its prefill wrote it
 
 
 def test_prefix_caching_of_a_streaming_session_stops_at_its_first_prompt():

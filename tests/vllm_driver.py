@@ -10,6 +10,10 @@ batch is one ``LLM.generate`` call; a batch that fails (e.g. a bad request) reco
 on the same engine. ``"one_process": true`` runs the engine core and its worker inside this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor): the same scheduler, runner and model, without the two
 process starts (about 50 s of each engine's 100 s on a 2-core machine).
+
+``"sessions": [[{"prompt": [ids], "max_tokens": n, "extra_args": {...}}, ...], ...]`` instead of "batches": streaming-
+input sessions (vLLM's `StreamingInput`: one request id, turn after turn; greedy, logprobs 1, ignore_eos), all at once
+on an `AsyncLLM`, with each session's tokens, logprobs and routing record.
 """
 
 import json
@@ -35,6 +39,13 @@ def main(spec_path: str, out_path: str) -> None:
 
     if spec.get("oda") is not None:
         engine = engine_args(engine.pop("model"), **spec["oda"], **engine)
+    if "sessions" in spec:
+        import asyncio
+
+        results = asyncio.run(run_sessions(engine, spec["sessions"], spec.get("oda") is not None))
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+        return
     llm = LLM(**engine)
     results = []
     for batch in spec["batches"]:
@@ -65,6 +76,46 @@ def main(spec_path: str, out_path: str) -> None:
         results.append({"outputs": rows})
     with open(out_path, "w") as f:
         json.dump(results, f)
+
+
+async def run_sessions(engine: dict, sessions: list, oda: bool) -> dict:
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from oda_hf.vllm import external_request_id
+
+    def params(turn):
+        return SamplingParams(max_tokens=turn["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=1,
+                              extra_args=turn.get("extra_args"), output_kind=RequestOutputKind.DELTA)
+
+    async def session(turns, request_id):
+        async def inputs():
+            for turn in turns:
+                yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=turn["prompt"]), sampling_params=params(turn))
+
+        tokens, logprobs = [], []
+        async for out in llm.generate(inputs(), params(turns[0]), request_id=request_id):
+            completion = out.outputs[0]
+            tokens += completion.token_ids
+            logprobs += [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)]
+        return {"tokens": tokens, "logprobs": logprobs}
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
+    try:
+        rows = await asyncio.gather(*(session(turns, f"session-{i}") for i, turns in enumerate(sessions)))
+        records = (await llm.collective_rpc("oda_routing_stats"))[0]["requests"] if oda else {}
+    finally:
+        llm.shutdown()
+    records = {external_request_id(rid): record for rid, record in records.items()}
+    for i, row in enumerate(rows):
+        row["routing"] = records.get(f"session-{i}")
+    return rows
 
 
 def prompt_of(req: dict, results: list) -> list:

@@ -86,15 +86,17 @@ def vllm_has_torchvision() -> bool:
 
 
 def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | None, torchvision: bool = False,
-             one_process: bool = True, **engine) -> list:
+             one_process: bool = True, sessions: list | None = None, **engine) -> list:
     """`torchvision`: the model's vLLM module imports torchvision (Qwen3.5); without a working one in the vLLM
     environment, the test stand-in `tests/vllm_stubs` is put on the path (see its README).
+
+    `sessions`: streaming-input sessions instead of `batches` (see `vllm_driver.py`).
 
     `one_process`: the engine core and worker run inside the driver's process (half of each engine's start-up time
     on CI's machine). The first ODA engine of each model family passes False: engine core and worker in processes of
     their own, as `LLM` and `oda serve` run them for users."""
     spec = {"engine": {"model": model_folder, **ENGINE, **engine}, "oda": oda, "batches": batches,
-            "one_process": one_process}
+            "one_process": one_process, **({"sessions": sessions} if sessions is not None else {})}
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     path = [REPO]

@@ -30,6 +30,7 @@ import contextlib
 import torch
 
 from .attention import LocalPlan, check_prefix_caching, local_plan, oda_attention_impl_class, routed_layers
+from .requests import replay_flags
 from .settings import ServingSettings, check_engine_features
 
 
@@ -97,7 +98,8 @@ class OdaCausalLMMixin:
                     state.record(decided)
                     if not decided:
                         local_flags[row] = [True]
-            elif step.seq_lens[row] > step.prompt_lens[row]:  # a preempted request recomputing its generated tokens
+            elif step.seq_lens[row] > step.prompt_lens[row] or state.reaches_earlier_steps(
+                    step.computed[row], step.token_count[row]):  # a preempted request recomputing its generated tokens
                 flags, head = self._replay(step, row, span)
                 if any(flags):
                     local_flags[row] = flags
@@ -121,41 +123,9 @@ class OdaCausalLMMixin:
         return hidden
 
     def _replay(self, step, row, span) -> tuple[list, bool]:
-        """How each token of a recomputed chunk attends, and whether the head decides its last token.
-
-        vLLM resumes a preempted request by recomputing its KV (prompt and generated tokens) as a prompt chunk.
-        Recomputed with Full attention, the generated tokens would get KV that no Local step wrote, and the request
-        would continue differently from one that was never preempted. So each generated token is recomputed the way
-        its routed step went (its recorded decision: Local, or Full and native), and the newest generated token, when
-        the chunk reaches it, is a new routed step, routed as a decode step is."""
-        state = step.states[row]
-        prompt, first, count = step.prompt_lens[row], step.computed[row], step.token_count[row]
-        flags, head = [], False
-        for i in range(count):
-            position = first + i
-            if position < prompt:
-                flags.append(False)
-                continue
-            routed_step = position - prompt + 1        # the token at this position was that step's input
-            if routed_step <= state.routed_steps:
-                flags.append(not state.decisions[routed_step - 1] and position + 1 > span)
-                state.recomputed_tokens += 1
-                continue
-            # Only the newest generated token lies past the recorded steps, and nothing comes after it.
-            if routed_step != state.routed_steps + 1 or i != count - 1:
-                raise RuntimeError(f"ODA internal error: a recomputed chunk reaches routed step {routed_step} of a "
-                                   f"request that has made {state.routed_steps}.")
-            decided = state.predecided(routed_step)
-            if position + 1 <= span:
-                state.record(False, decided_step=False)
-                flags.append(False)
-            elif decided is None:
-                flags.append(True)
-                head = True
-            else:
-                state.record(decided)
-                flags.append(not decided)
-        return flags, head
+        """How each token of a recomputed chunk attends, and whether the head decides its last token
+        (`requests.replay_flags`)."""
+        return replay_flags(step.states[row], step.prompt_lens[row], step.computed[row], step.token_count[row], span)
 
     def _plan(self, step, segments, local_flags, device) -> LocalPlan:
         """The `LocalPlan` of a pass over `segments` ``(row, first token, tokens)``, concatenated in that order;

@@ -124,13 +124,36 @@ class RequestState:
     recomputed_tokens: int = 0   # generated tokens whose KV was recomputed (as routed) after a preemption
     generator: object | None = None   # torch.Generator of a Random request (torch imported here: `oda --help` stays fast)
     earlier_turns: dict | None = None  # a streaming-input session's earlier turns: their `summary`
+    # ... and their routed steps: (position of a turn's first routed step's input, that turn's decisions)
+    earlier_steps: list = field(default_factory=list)
     sample: int = 0              # which sample of an n > 1 request (`sample_index`)
+    turn: int = 0                # which turn of a streaming-input session
 
     def __post_init__(self):
         if self.routing.policy == "random":
             import torch
 
-            self.generator = torch.Generator().manual_seed(sample_seed(self.routing.seed, self.sample))
+            self.generator = torch.Generator().manual_seed(sample_seed(self.routing.seed, self.sample, self.turn))
+
+    def next_turn(self, routing: RequestRouting, prompt_tokens: int) -> "RequestState":
+        """The state of a streaming-input session's next turn, whose prompt now holds this turn's routed steps' input
+        tokens (every output but the last, from position `prompt_tokens` on): routed afresh with the turn's own
+        `routing`, keeping the counts, and each earlier step's decision for a recompute after a preemption."""
+        steps = list(self.earlier_steps) + ([(prompt_tokens, list(self.decisions))] if self.decisions else [])
+        return RequestState(routing, earlier_turns=self.summary(), earlier_steps=steps, sample=self.sample,
+                            turn=self.turn + 1)
+
+    def earlier_decision(self, position: int) -> bool | None:
+        """The decision (True = Full) of the earlier turn's routed step whose input token sits at `position` (it is
+        part of the prompt now), or None if no earlier step's did."""
+        for first, decisions in self.earlier_steps:
+            if first <= position < first + len(decisions):
+                return decisions[position - first]
+        return None
+
+    def reaches_earlier_steps(self, first: int, count: int) -> bool:
+        """Whether positions ``first .. first + count - 1`` hold any earlier turn's routed step."""
+        return any(start < first + count and first < start + len(decisions) for start, decisions in self.earlier_steps)
 
     def record(self, full: bool, score: float = math.nan, decided_step: bool = True) -> None:
         """Count one routed step: its decision (True = Full), the head's score if it ran, and whether it was past
@@ -180,6 +203,46 @@ class RequestState:
                 "scores": earlier.get("scores", []) + [None if math.isnan(score) else score for score in self.scores]}
 
 
+def replay_flags(state: RequestState, prompt: int, first: int, count: int, span: int) -> tuple[list, bool]:
+    """How each token of a recomputed chunk (positions ``first .. first + count - 1`` of a request whose prompt has
+    `prompt` tokens) attends: True = Local; and whether the head decides its last token.
+
+    vLLM resumes a preempted request by recomputing its KV (prompt and generated tokens) as a prompt chunk.
+    Recomputed with Full attention, the generated tokens would get KV that no Local step wrote, and the request
+    would continue differently from one that was never preempted. So each generated token is recomputed the way
+    its routed step went (its recorded decision: Local, or Full and native), and the newest generated token, when
+    the chunk reaches it, is a new routed step, routed as a decode step is. In a streaming-input session the
+    earlier turns' generated tokens are part of the prompt now, and are recomputed as their steps went too."""
+    flags, head = [], False
+    for i in range(count):
+        position = first + i
+        if position < prompt:
+            earlier = state.earlier_decision(position)
+            flags.append(earlier is False and position + 1 > span)
+            state.recomputed_tokens += int(earlier is not None)
+            continue
+        routed_step = position - prompt + 1        # the token at this position was that step's input
+        if routed_step <= state.routed_steps:
+            flags.append(not state.decisions[routed_step - 1] and position + 1 > span)
+            state.recomputed_tokens += 1
+            continue
+        # Only the newest generated token lies past the recorded steps, and nothing comes after it.
+        if routed_step != state.routed_steps + 1 or i != count - 1:
+            raise RuntimeError(f"ODA internal error: a recomputed chunk reaches routed step {routed_step} of a "
+                               f"request that has made {state.routed_steps}.")
+        decided = state.predecided(routed_step)
+        if position + 1 <= span:
+            state.record(False, decided_step=False)
+            flags.append(False)
+        elif decided is None:
+            flags.append(True)
+            head = True
+        else:
+            state.record(decided)
+            flags.append(not decided)
+    return flags, head
+
+
 def sample_of(request_id: str) -> tuple[int, str] | None:
     """``(k, id)`` when `request_id` is the k-th sample of an ``n > 1`` request (vLLM serves it as the request
     ``<k>_<id>``); None for any other."""
@@ -193,15 +256,17 @@ def sample_index(request_id: str) -> int:
     return 0 if sample is None else sample[0]
 
 
-def sample_seed(seed: int, sample: int) -> int:
+def sample_seed(seed: int, sample: int, turn: int = 0) -> int:
     """The Random policy's seed for one sample: `seed` itself for the first (and for a request of one sample), a seed
     derived from both for the others, so that the samples of one request draw independently (as the rows of a batch
-    do in `RandomPolicy`) rather than all recalling on the same steps."""
-    if sample == 0:
+    do in `RandomPolicy`) rather than all recalling on the same steps; likewise each later turn of a streaming-input
+    session (`turn`), which would otherwise repeat the first turn's draws."""
+    if sample == 0 and turn == 0:
         return seed
     import hashlib
 
-    return int.from_bytes(hashlib.sha256(f"{seed}:{sample}".encode()).digest()[:8], "little") >> 1
+    key = f"{seed}:{sample}" if turn == 0 else f"{seed}:{sample}:{turn}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 def cacheable_tokens(request) -> int:

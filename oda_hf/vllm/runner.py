@@ -95,14 +95,14 @@ class OdaRunnerMixin:
     def _update_streaming_request(self, req_id, new_req_data):
         # The next turn of a streaming-input session (vLLM's resumable requests: one request id, turn after turn). Its
         # prompt now begins with the earlier turns' output and it brings its own sampling params, so routing starts
-        # afresh (the turn's knobs, steps counted from its prompt); the earlier turns' counts stay in its records.
+        # afresh (the turn's knobs, steps counted from its prompt); the earlier turns' counts stay in its records, and
+        # their decisions too: a recompute after a preemption writes their Local steps' KV as Local again (`_replay`).
         earlier = getattr(self, "oda_states", {}).pop(req_id, None)
+        prompt_tokens = self.requests[req_id].num_prompt_tokens if earlier is not None else 0
         req_state = super()._update_streaming_request(req_id, new_req_data)
         if earlier is not None:
             extra = getattr(new_req_data.sampling_params, "extra_args", None)
-            routing = self.oda_model.oda_settings.routing_for(extra)
-            self.oda_states[req_id] = RequestState(routing, earlier_turns=earlier.summary(),
-                                                   sample=sample_index(req_id))
+            self.oda_states[req_id] = earlier.next_turn(self.oda_model.oda_settings.routing_for(extra), prompt_tokens)
         return req_state
 
     def oda_routing_stats(self, response_id: str | None = None) -> dict:
