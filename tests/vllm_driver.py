@@ -97,7 +97,9 @@ async def run_sessions(engine: dict, sessions: list, oda: bool) -> dict:
     async def session(turns, request_id):
         async def inputs():
             for turn in turns:
-                yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=turn["prompt"]), sampling_params=params(turn))
+                # a copy: vLLM 0.32's front end appends later turns' prompts to the first turn's list in place
+                ids = list(turn["prompt"])
+                yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=ids), sampling_params=params(turn))
 
         tokens, logprobs = [], []
         async for out in llm.generate(inputs(), params(turns[0]), request_id=request_id):
