@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from oda_hf import OdaForCausalLM
 from tiny_models import save_word_tokenizer
 from vllm_harness import (EAGER, PREEMPT_POLICIES, REPO, SINKS, SPAN, VLLM_PYTHON, VOCAB, WINDOW,
                           check_preempted_equals_unpressed, edge_batches, extension, hf_generate, preemption_batches,
@@ -219,16 +220,29 @@ def test_qwen3_5_always_local_equals_transformers_path_and_differs_from_full(qwe
 
 
 def test_qwen3_5_head_decisions_and_tokens_match_transformers_path(qwen3_5):
+    """Decisions and tokens equal the Transformers path's, up to bfloat16 near-ties: a head score within 2e-2 of the
+    threshold, or a token whose Transformers logit leads the next by less than 0.1 (then the two paths go on from
+    different histories, and only the steps before it are compared). Measured on an AVX2-only CPU, whose vLLM kernels
+    round bfloat16 differently from AVX-512 ones: one prompt of seven took its third token at logits 2.688 vs 2.719."""
     mixed = 0
     for ids, ours in zip(qwen3_5["long"], qwen3_5["oda"]["head"]["outputs"]):
         tokens, routing = hf_generate(qwen3_5["model"], qwen3_5["head"], ids, 12, "head", threshold=0.0)
-        scores = routing.scores[0].tolist()
-        close = [i for i, q in enumerate(scores) if math.isfinite(q) and abs(q) < 2e-2]  # bfloat16 states
-        ours_decisions = [d for i, d in enumerate(ours["routing"]["decisions"]) if i not in close]
-        assert ours_decisions == [d for i, d in enumerate(routing.decisions[0].tolist()) if i not in close]
-        if not close:
-            assert ours["tokens"] == tokens
-        mixed += 0 < sum(ours["routing"]["decisions"]) < len(ours["routing"]["decisions"])
+        theirs, our_decisions = routing.decisions[0].tolist(), ours["routing"]["decisions"]
+        close = {i for i, q in enumerate(routing.scores[0].tolist()) if math.isfinite(q) and abs(q) < 2e-2}
+        flip = min((i for i in close if our_decisions[i] != theirs[i]), default=len(theirs))  # a near-tie score
+        first = next((k for k, (a, b) in enumerate(zip(ours["tokens"], tokens)) if a != b), len(tokens))
+        if first < len(tokens) and first <= flip:   # output `first` (of routed step `first`) differs before any flip
+            oda = OdaForCausalLM.from_pretrained(qwen3_5["model"], head=qwen3_5["head"], sinks=SINKS, window=WINDOW,
+                                                 threshold=0.0, policy="head")
+            out = oda.generate(torch.tensor([ids]), max_new_tokens=first + 1, min_new_tokens=first + 1,
+                               do_sample=False, output_scores=True, return_dict_in_generate=True)
+            logits = out.scores[first][0].float()
+            lead = float(logits[tokens[first]] - logits[ours["tokens"][first]])
+            assert 0 < lead < 0.1, f"prompt of {len(ids)} tokens: output {first} differs, logit lead {lead:.3f}"
+        shared = min(first, flip)   # the steps decided on the same history in both paths
+        assert [d for i, d in enumerate(our_decisions[:shared]) if i not in close] == \
+            [d for i, d in enumerate(theirs[:shared]) if i not in close]
+        mixed += 0 < sum(our_decisions) < len(our_decisions)
     assert mixed, "the head never mixed Full and Local: the test would not see a wrong retry"
 
 

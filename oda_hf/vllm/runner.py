@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from .requests import COUNTS, FINISHED_KEPT, RequestState, pooled, sample_index
+from .requests import (COUNTS, FINISHED_KEPT, RequestState, counts_only, packed, pooled, sample_index,
+                       unpacked)
 
 
 def is_decode_step(count: int, computed: int, prompt_tokens: int, state: RequestState) -> bool:
@@ -86,7 +87,7 @@ class OdaRunnerMixin:
         super()._on_request_state_removed(req_id, req_state)
         state = getattr(self, "oda_states", {}).pop(req_id, None)
         if state is not None:
-            self.oda_finished[req_id] = state.summary()
+            self.oda_finished[req_id] = packed(state.summary())
             while len(self.oda_finished) > FINISHED_KEPT:
                 _, dropped = self.oda_finished.popitem(last=False)
                 for name in COUNTS:
@@ -105,10 +106,12 @@ class OdaRunnerMixin:
             self.oda_states[req_id] = earlier.next_turn(self.oda_model.oda_settings.routing_for(extra), prompt_tokens)
         return req_state
 
-    def oda_routing_stats(self, response_id: str | None = None) -> dict:
+    def oda_routing_stats(self, response_id: str | None = None, engine_ids=None, details: bool = True) -> dict:
         """Counts per engine request id (finished and running) and the pooled Full-call rate over them; `evicted`:
         the summed counts of the finished records no longer kept. `response_id`: only the records of that OpenAI
-        response (`requests.records_of`), so that each response does not carry every record kept between steps."""
+        response (`requests.records_of`), so that each response does not carry every record kept between steps;
+        `engine_ids`: only those records; `details=False`: without their decisions and scores (what `/metrics` reads
+        of every record)."""
         finished, running = self.oda_finished, self.oda_states
         if response_id is not None:
             from . import external_request_id
@@ -116,7 +119,12 @@ class OdaRunnerMixin:
 
             finished = records_of(finished, response_id, sub_requests=True, key=external_request_id)
             running = records_of(running, response_id, sub_requests=True, key=external_request_id)
-        stats = pooled({**finished, **{rid: s.summary() for rid, s in running.items()}})
+        if engine_ids is not None:
+            finished = {rid: finished[rid] for rid in engine_ids if rid in finished}
+            running = {rid: running[rid] for rid in engine_ids if rid in running}
+        records = {**{rid: unpacked(record) if details else counts_only(record) for rid, record in finished.items()},
+                   **{rid: state.summary(details) for rid, state in running.items()}}
+        stats = pooled(records)
         stats["evicted"] = dict(self.oda_evicted)
         return stats
 

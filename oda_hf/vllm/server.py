@@ -36,28 +36,51 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 GENERATION_PATHS = (*COMPLETION_PATHS, "/v1/responses", "/v1/messages")
 
 
-async def _stats(app, response_id: str | None = None) -> dict:
+async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
     """The engine's routing stats: records keyed by engine request id (those of `response_id` alone, if given), and
-    `evicted` counts."""
-    kwargs = None if response_id is None else {"response_id": response_id}
-    return (await app.state.engine_client.collective_rpc("oda_routing_stats", kwargs=kwargs))[0]
+    `evicted` counts; `kwargs`: the worker's other filters (`engine_ids`, `details`)."""
+    kwargs = {**kwargs, **({} if response_id is None else {"response_id": response_id})}
+    return (await app.state.engine_client.collective_rpc("oda_routing_stats", kwargs=kwargs or None))[0]
 
 
-def returned_only(records: dict) -> dict:
-    """Engine-keyed records as if only the steps of the tokens the front end returned had run (`requests.trimmed`),
-    where its count is known: a finished request whose caller's id no other record shares."""
+def returned_steps(records: dict) -> dict:
+    """Engine id -> the routed steps of the tokens the front end returned, where that is known: a finished request
+    whose caller's id no other record shares."""
     from collections import Counter
 
     from . import external_request_id
-    from .requests import returned_tokens, trimmed
+    from .requests import returned_tokens
 
     callers = Counter(map(external_request_id, records))
-    kept = {}
-    for rid, record in records.items():
+    steps = {}
+    for rid in records:
         caller = external_request_id(rid)
         tokens = returned_tokens(caller) if callers[caller] == 1 else None
-        kept[rid] = record if tokens is None else trimmed(record, tokens - 1)
-    return kept
+        if tokens is not None:
+            steps[rid] = tokens - 1
+    return steps
+
+
+def returned_only(records: dict, steps: dict | None = None) -> dict:
+    """Engine-keyed records as if only the steps of the tokens the front end returned had run (`requests.trimmed`),
+    where its count is known (`returned_steps`, or `steps` when given)."""
+    from .requests import trimmed
+
+    steps = returned_steps(records) if steps is None else steps
+    return {rid: trimmed(record, steps[rid]) if rid in steps else record for rid, record in records.items()}
+
+
+async def _metrics_totals(app) -> dict:
+    """`/metrics`' totals: every record's counts (no per-step lists: a scrape of a long-running server would move up
+    to FINISHED_KEPT records' decisions each time), and the per-step lists only of the records a stop string cut."""
+    from .requests import pooled
+
+    stats = await _stats(app, details=False)
+    records, steps = stats["requests"], returned_steps(stats["requests"])
+    cut = [rid for rid, kept in steps.items() if records[rid]["routed_steps"] > max(0, kept)]
+    if cut:
+        records.update((await _stats(app, engine_ids=cut))["requests"])
+    return never_falling(pooled(returned_only(records, steps), stats.get("evicted")), app.state)
 
 
 def counted_as(caller_id: str) -> str:
@@ -169,8 +192,7 @@ async def oda_routing_middleware(request, call_next):
     if path == "/metrics" and request.method == "GET":
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
-        stats = await _stats(request.app)
-        total = never_falling(pooled(returned_only(stats["requests"]), stats.get("evicted")), request.app.state)
+        total = await _metrics_totals(request.app)
         lines = ["# HELP oda_full_calls_total Full calls of ODA decode steps.",
                  "# TYPE oda_full_calls_total counter", f"oda_full_calls_total {total['full_calls']}",
                  "# HELP oda_decided_steps_total ODA decode steps past sinks + window.",
