@@ -69,6 +69,31 @@ def main(port: int, model: str, ids: list) -> None:
     after = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
                                       extra_body={"vllm_xargs": {"oda_policy": "local"}})
     seen["after_bad"] = after.choices[0].text
+    # callers' ids that look like a part of another response (a chat's "<id>_<i>", a completion's "<id>-<i>"): each
+    # response holds its own engine requests only
+    for caller, policy, tokens in [("job_1", "local", 5), ("job", "full", 8)]:
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}], max_tokens=tokens,
+            temperature=0, extra_headers={"X-Request-Id": caller},
+            extra_body={"ignore_eos": True, "vllm_xargs": {"oda_policy": policy}})
+        seen[f"chat_{caller}"] = chat.model_extra.get("oda_routing")
+    for caller, prompts, policy, tokens in [("batch", [ids, ids], "local", 6), ("batch-1", [ids], "full", 4)]:
+        completion = client.completions.create(
+            model=model, prompt=prompts, max_tokens=tokens, temperature=0, extra_headers={"X-Request-Id": caller},
+            extra_body={"ignore_eos": True, "vllm_xargs": {"oda_policy": policy}})
+        seen[f"completion_{caller}"] = completion.model_extra.get("oda_routing")
+    with urllib.request.urlopen(f"{base}/v1/oda/routing") as response:
+        seen["every_record"] = json.load(response)
+    # the Responses API passes a body's request_id to the engine as it is: "<k>_<id>" would read as a sample
+    sample_like = urllib.request.Request(f"{base}/v1/responses", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": model, "input": "hi", "request_id": "7_foo",
+                                                          "vllm_xargs": {"oda_policy": "random:0.5:3"}}).encode())
+    try:
+        with urllib.request.urlopen(sample_like) as response:
+            seen["responses_sample_id"] = response.status
+    except urllib.error.HTTPError as err:
+        seen["responses_sample_id"] = [err.code, json.load(err)["error"]["message"]]
     with urllib.request.urlopen(f"{base}/metrics") as response:
         seen["metrics"] = [line for line in response.read().decode().splitlines() if line.startswith("oda_")]
     print(json.dumps(seen))

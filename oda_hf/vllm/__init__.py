@@ -24,6 +24,7 @@ from .requests import (  # noqa: F401
     POLICY_KEY,
     THRESHOLD_KEY,
     RequestRouting,
+    external_request_id,
     parse_policy,
     pooled,
     records_of,
@@ -188,7 +189,8 @@ def routing_stats(llm, outputs=None) -> dict:
     With `outputs`, each record counts only the steps of the tokens returned (`requests.trimmed`: after a stop string
     the engine has run a step or more that no output holds).
     """
-    stats = llm.collective_rpc("oda_routing_stats")[0]
+    callers = None if outputs is None else [caller for out in outputs for caller in _caller_ids(out)]
+    stats = llm.collective_rpc("oda_routing_stats", kwargs={"caller_ids": callers} if callers else None)[0]
     by_request = {external_request_id(rid): value for rid, value in stats["requests"].items()}
     if outputs is not None:
         chosen, missing = {}, []
@@ -208,7 +210,8 @@ def routing_stats(llm, outputs=None) -> dict:
     return pooled(by_request)
 
 
-def external_request_id(engine_id: str) -> str:
-    """The id a caller gave (or the API server made) for a request: vLLM's engine appends ``-<8 hex digits>``."""
-    head, _, tail = engine_id.rpartition("-")
-    return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else engine_id
+def _caller_ids(output) -> list[str]:
+    """The ids of the engine requests behind one `RequestOutput`: its own, or one per sample (``<k>_<id>``)."""
+    if len(output.outputs) == 1 and output.outputs[0].index == 0:
+        return [output.request_id, f"0_{output.request_id}"]
+    return [f"{completion.index}_{output.request_id}" for completion in output.outputs]

@@ -9,14 +9,13 @@ keeps each request's `RequestState` (``h_prev``, knobs, counts) and keeps the co
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .requests import (COUNTS, FINISHED_KEPT, RequestState, counts_only, packed, pooled, sample_index,
-                       unpacked)
+from .requests import (FinishedRecords, RequestState, counts_only, external_request_id, packed, pooled, records_of,
+                       sample_index, unpacked)
 
 
 def is_decode_step(count: int, computed: int, prompt_tokens: int, state: RequestState) -> bool:
@@ -68,9 +67,7 @@ class OdaRunnerMixin:
                              "with oda_hf.vllm.engine_args(...) or `oda serve`, and leave --hf-overrides to them.")
         self.oda_model = model
         self.oda_states: dict[str, RequestState] = {}
-        self.oda_finished: OrderedDict[str, dict] = OrderedDict()
-        # counts of the finished records dropped beyond FINISHED_KEPT: /metrics' totals never fall
-        self.oda_evicted = dict.fromkeys(COUNTS, 0)
+        self.oda_finished = FinishedRecords()
         if self.oda_model is not None:
             model.oda_runner_attached = True
             if model.oda_head is not None:
@@ -87,11 +84,7 @@ class OdaRunnerMixin:
         super()._on_request_state_removed(req_id, req_state)
         state = getattr(self, "oda_states", {}).pop(req_id, None)
         if state is not None:
-            self.oda_finished[req_id] = packed(state.summary())
-            while len(self.oda_finished) > FINISHED_KEPT:
-                _, dropped = self.oda_finished.popitem(last=False)
-                for name in COUNTS:
-                    self.oda_evicted[name] += dropped[name]
+            self.oda_finished.add(req_id, packed(state.summary()))
 
     def _update_streaming_request(self, req_id, new_req_data):
         # The next turn of a streaming-input session (vLLM's resumable requests: one request id, turn after turn). Its
@@ -106,26 +99,30 @@ class OdaRunnerMixin:
             self.oda_states[req_id] = earlier.next_turn(self.oda_model.oda_settings.routing_for(extra), prompt_tokens)
         return req_state
 
-    def oda_routing_stats(self, response_id: str | None = None, engine_ids=None, details: bool = True) -> dict:
+    def oda_routing_stats(self, response_id: str | None = None, engine_ids=None, details: bool = True,
+                          caller_ids=None) -> dict:
         """Counts per engine request id (finished and running) and the pooled Full-call rate over them; `evicted`:
-        the summed counts of the finished records no longer kept. `response_id`: only the records of that OpenAI
-        response (`requests.records_of`), so that each response does not carry every record kept between steps;
-        `engine_ids`: only those records; `details=False`: without their decisions and scores (what `/metrics` reads
-        of every record)."""
-        finished, running = self.oda_finished, self.oda_states
+        the summed counts of the finished records no longer kept. Which records (each filter found without a scan of
+        the finished ones, since every running request waits for this call): `response_id`, those of that OpenAI
+        response by its id's form (`requests.records_of`); `caller_ids`, those whose caller's id is one of them;
+        `engine_ids`, those. `details=False`: without their decisions and scores (what `/metrics` reads of every
+        record)."""
+        finished, running = self.oda_finished.records, self.oda_states
         if response_id is not None:
-            from . import external_request_id
-            from .requests import records_of
-
-            finished = records_of(finished, response_id, sub_requests=True, key=external_request_id)
+            finished = records_of(self.oda_finished.named(response_id), response_id, sub_requests=True,
+                                  key=external_request_id)
             running = records_of(running, response_id, sub_requests=True, key=external_request_id)
+        if caller_ids is not None:
+            wanted = set(caller_ids)
+            finished = {rid: finished[rid] for rid in self.oda_finished.of_callers(wanted) if rid in finished}
+            running = {rid: state for rid, state in running.items() if external_request_id(rid) in wanted}
         if engine_ids is not None:
             finished = {rid: finished[rid] for rid in engine_ids if rid in finished}
             running = {rid: running[rid] for rid in engine_ids if rid in running}
         records = {**{rid: unpacked(record) if details else counts_only(record) for rid, record in finished.items()},
                    **{rid: state.summary(details) for rid, state in running.items()}}
         stats = pooled(records)
-        stats["evicted"] = dict(self.oda_evicted)
+        stats["evicted"] = dict(self.oda_finished.evicted)
         return stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,

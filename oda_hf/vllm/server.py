@@ -6,7 +6,7 @@ this module's middleware, which adds:
 * ``GET /v1/oda/routing[?request_id=ID]``: per-request routing records (policy, routed and decided steps, Full
   calls, decisions, scores) keyed by the OpenAI response id (``cmpl-...`` / ``chatcmpl-...``; a completion with
   several prompts has ``-0``, ``-1``... after it; with ``n > 1`` each sample has its own record, ``0_<id>``,
-  ``1_<id>``...), and the pooled Full-call rate over them;
+  ``1_<id>``...), and the pooled Full-call rate over them (without an id: every record kept, counts only);
 * ``oda_routing`` in every non-streaming ``/v1/completions`` and ``/v1/chat/completions`` response (a streaming
   client reads the record from ``/v1/oda/routing`` with the id of its chunks);
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
@@ -48,8 +48,7 @@ def returned_steps(records: dict) -> dict:
     whose caller's id no other record shares."""
     from collections import Counter
 
-    from . import external_request_id
-    from .requests import returned_tokens
+    from .requests import external_request_id, returned_tokens
 
     callers = Counter(map(external_request_id, records))
     steps = {}
@@ -70,17 +69,24 @@ def returned_only(records: dict, steps: dict | None = None) -> dict:
     return {rid: trimmed(record, steps[rid]) if rid in steps else record for rid, record in records.items()}
 
 
-async def _metrics_totals(app) -> dict:
-    """`/metrics`' totals: every record's counts (no per-step lists: a scrape of a long-running server would move up
-    to FINISHED_KEPT records' decisions each time), and the per-step lists only of the records a stop string cut."""
-    from .requests import pooled
-
+async def _counted_records(app) -> tuple[dict, dict]:
+    """Every record's counts, each cut to the tokens the front end returned where that is known (no per-step lists:
+    a long-running server keeps up to FINISHED_KEPT records; only those a stop string cut are read with them), and
+    the `evicted` counts."""
     stats = await _stats(app, details=False)
     records, steps = stats["requests"], returned_steps(stats["requests"])
     cut = [rid for rid, kept in steps.items() if records[rid]["routed_steps"] > max(0, kept)]
     if cut:
         records.update((await _stats(app, engine_ids=cut))["requests"])
-    return never_falling(pooled(returned_only(records, steps), stats.get("evicted")), app.state)
+    return returned_only(records, steps), stats.get("evicted")
+
+
+async def _metrics_totals(app) -> dict:
+    """`/metrics`' totals over every record (`_counted_records`)."""
+    from .requests import pooled
+
+    records, evicted = await _counted_records(app)
+    return never_falling(pooled(records, evicted), app.state)
 
 
 def counted_as(caller_id: str) -> str:
@@ -98,8 +104,7 @@ async def _counted(records: dict, seconds: float = 1.0) -> None:
     it first sends the engine the abort."""
     from collections import Counter
 
-    from . import external_request_id
-    from .requests import times_returned
+    from .requests import external_request_id, times_returned
     from .stats import counting
 
     callers = [external_request_id(rid) for rid in records]
@@ -132,7 +137,7 @@ def never_falling(totals: dict, state) -> dict:
 def _by_caller_id(records: dict) -> dict:
     """Engine-keyed records keyed by the ids callers know (vLLM's ``-<8 hex>`` suffix dropped). Two requests can
     share one (an ``X-Request-Id`` header or a body ``request_id`` used twice): the later keeps its engine id."""
-    from . import external_request_id
+    from .requests import external_request_id
 
     keyed = {}
     for rid, value in records.items():
@@ -145,19 +150,37 @@ def _matching(records: dict, request_id: str) -> dict:
     """Records of one OpenAI response id (`records` and the result keyed by engine id): the id itself, its per-prompt
     ids (``ID-0``, ``ID-1``, ...) and the samples of each (``0_ID``, ``1_ID``, ... when the request asks for
     ``n > 1``)."""
-    from . import external_request_id
-    from .requests import records_of
+    from .requests import external_request_id, records_of
 
     return records_of(records, request_id, sub_requests=True, key=external_request_id)
 
 
-def refusal(body) -> str | None:
+def response_caller_ids(path: str, data: dict, samples: int) -> list[str] | None:
+    """The caller's ids of the engine requests behind one non-streaming response `data` of `path` that asked for
+    `samples` (``n``) per prompt, as vLLM's OpenAI server names them: a completion's prompts ``<id>-0``, ``<id>-1``...;
+    a chat's one prompt ``<id>`` (several: ``<id>_0``...); with ``n > 1`` each sample ``<k>_`` before that. Exact, so
+    that another caller's request whose id only looks like one of these (``job_1`` beside ``job``) is not taken for
+    part of the response. None when the choices do not divide into `samples` per prompt."""
+    response_id, choices = str(data.get("id", "")), len(data.get("choices") or [])
+    if not isinstance(samples, int) or samples < 1 or not choices or choices % samples:
+        return None
+    prompts = choices // samples
+    if path == "/v1/completions":
+        bases = [f"{response_id}-{i}" for i in range(prompts)]
+    else:
+        bases = [response_id] if prompts == 1 else [f"{response_id}_{i}" for i in range(prompts)]
+    return bases if samples == 1 else [f"{k}_{base}" for base in bases for k in range(samples)]
+
+
+def refusal(body, path: str = "/v1/completions") -> str | None:
     """Why ODA answers a completion request's JSON body with HTTP 400 before vLLM reads it (None: serve it).
 
     vLLM accepts unknown top-level fields and ignores them, so ``{"oda_policy": "local"}`` outside ``vllm_xargs`` was
     served with the engine's default; beam search sends every step to the engine as a new one-token request (a Full
-    prefill, its ``vllm_xargs`` dropped), so nothing of it is routed whatever the request asks."""
-    from .requests import is_oda_key
+    prefill, its ``vllm_xargs`` dropped), so nothing of it is routed whatever the request asks; a Responses API
+    ``request_id`` of the form ``<k>_<id>`` (used as the engine's id as it is) would be read as a sample of another
+    request. `path`: the request's."""
+    from .requests import is_oda_key, sample_of
 
     if not isinstance(body, dict):
         return None
@@ -165,6 +188,12 @@ def refusal(body) -> str | None:
     if misplaced:
         return (f"ODA's request keys go inside vllm_xargs ({{\"vllm_xargs\": {{\"oda_policy\": ...}}}}); "
                 f"{', '.join(map(repr, misplaced))} at the top level of the body would be ignored.")
+    request_id = body.get("request_id")
+    if path == "/v1/responses" and isinstance(request_id, str) and sample_of(request_id) is not None:
+        # vLLM names the k-th sample of an n > 1 request "<k>_<id>": the engine would read this request as one
+        return (f"request_id {request_id!r} has the form vLLM gives the samples of an n > 1 request (<k>_<id>): ODA "
+                f"would take it for sample {sample_of(request_id)[0]} of another request (its Random draws, its "
+                "routing records). Use an id that does not begin with digits and an underscore.")
     if body.get("use_beam_search"):
         return ("ODA does not route beam search: vLLM runs each beam step as a new one-token request, whose only "
                 "token comes from a Full prefill, so no step would be routed. Decode without use_beam_search, or "
@@ -176,7 +205,7 @@ async def oda_routing_middleware(request, call_next):
     """ASGI middleware for vLLM's API server (``--middleware oda_hf.vllm.server.oda_routing_middleware``)."""
     from starlette.responses import JSONResponse, Response
 
-    from .requests import pooled, trimmed
+    from .requests import counts_only, pooled, trimmed
     from .settings import note_served_head_from_config
 
     # Before admission checks this request: a server started by hand has not yet recorded whether it has a head.
@@ -184,9 +213,11 @@ async def oda_routing_middleware(request, call_next):
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
         wanted = request.query_params.get("request_id")
-        records = returned_only((await _stats(request.app, wanted))["requests"])
-        records = _by_caller_id(records if wanted is None else _matching(records, wanted))
-        if wanted is not None and not records:
+        if wanted is None:   # every record kept (up to FINISHED_KEPT): counts only, per-step lists by request id
+            records, _ = await _counted_records(request.app)
+            return JSONResponse(pooled(_by_caller_id({rid: counts_only(r) for rid, r in records.items()})))
+        records = _by_caller_id(returned_only(_matching((await _stats(request.app, wanted))["requests"], wanted)))
+        if not records:
             return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
         return JSONResponse(pooled(records))
     if path == "/metrics" and request.method == "GET":
@@ -205,11 +236,13 @@ async def oda_routing_middleware(request, call_next):
         headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         return Response(body + ("\n".join(lines) + "\n").encode(), status_code=response.status_code,
                         headers=headers)
+    asked = None   # the request's JSON body
     if path in GENERATION_PATHS and request.method == "POST":
         try:
-            why = refusal(json.loads(await request.body()))
+            asked = json.loads(await request.body())
         except ValueError:   # not JSON: vLLM answers that itself
-            why = None
+            pass
+        why = refusal(asked, path)
         if why is not None:
             return JSONResponse({"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}},
                                 status_code=400)
@@ -223,7 +256,11 @@ async def oda_routing_middleware(request, call_next):
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
     response_id = str(data.get("id", ""))
-    mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
+    callers = response_caller_ids(path, data, (asked.get("n") or 1) if isinstance(asked, dict) else 1)
+    if callers is not None:
+        mine = (await _stats(request.app, caller_ids=callers))["requests"]
+    else:
+        mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
     await _counted(mine)
     records = _by_caller_id(returned_only(mine))
     choices, usage = data.get("choices") or [], data.get("usage") or {}

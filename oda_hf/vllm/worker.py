@@ -26,8 +26,8 @@ def _cpu_classes():
             _require_v1_runner(self)
             self.model_runner = OdaCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
-        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True):
-            return self.model_runner.oda_routing_stats(response_id, engine_ids, details)
+        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True, caller_ids=None):
+            return self.model_runner.oda_routing_stats(response_id, engine_ids, details, caller_ids)
 
     return OdaCPUModelRunner, OdaCPUWorker
 
@@ -46,8 +46,8 @@ def _gpu_classes():
             _require_v1_runner(self)
             self.model_runner = OdaGPUModelRunner(self.vllm_config, self.device)
 
-        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True):
-            return self.model_runner.oda_routing_stats(response_id, engine_ids, details)
+        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True, caller_ids=None):
+            return self.model_runner.oda_routing_stats(response_id, engine_ids, details, caller_ids)
 
     return OdaGPUModelRunner, OdaGPUWorker
 
