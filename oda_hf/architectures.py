@@ -99,9 +99,43 @@ def resolve_architecture(model) -> ArchitectureSpec:
         spec = ArchitectureSpec(model_type, accepts_mask_dict=mixed,
                                 logit_softcap_attr="final_logit_softcapping"
                                 if getattr(config, "final_logit_softcapping", None) else None)
+        _check_logits_from_hidden(model, spec)
     if not spec.accepts_mask_dict and set(layer_types) - {"full_attention", "dummy"}:
         raise ValueError(
             f"{spec.family} with non-global layers ({sorted(set(layer_types))}) is not supported: its decoder takes "
             "a single mask for all layers, so Local cannot restrict only the global ones."
         )
     return spec
+
+
+def _check_logits_from_hidden(model, spec: ArchitectureSpec) -> None:
+    """An untested model type's logits must be ``lm_head`` of its final hidden state (then the soft-cap where
+    `spec` names one), which is how ODA computes them (exact mode's drafts and verification, sampling, the head's
+    supervision). Some families scale them besides (Granite divides by ``logits_scaling``, Cohere multiplies by
+    ``logit_scale``): greedy tokens would agree and always-Full would equal stock, while every probability ODA
+    samples from or trains on would be another's. One forward of three tokens tells."""
+    import torch
+
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+    ids = torch.arange(1, 4, device=model.device)[None] % vocab
+    training = model.training
+    model.eval()   # dropout would make the two passes differ
+    try:
+        with torch.no_grad():
+            stock = model(input_ids=ids, use_cache=False).logits
+            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            ours = model.get_output_embeddings()(hidden)
+    finally:
+        model.train(training)
+    cap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    if cap:
+        ours = torch.tanh(ours / cap) * cap
+    if not torch.allclose(ours.float(), stock.float(), rtol=1e-3, atol=1e-3):
+        scaling = [name for name in ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier_scale")
+                   if getattr(config, name, None) is not None]
+        raise ValueError(
+            f"Model type {config.model_type!r} computes its logits otherwise than lm_head(final hidden state)"
+            f"{' (its config has ' + ', '.join(scaling) + ')' if scaling else ''}: ODA, which computes them so for "
+            "its drafts, sampling and supervision, would draw from other probabilities than the model's. This type "
+            "is not supported; supported model types: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")

@@ -37,9 +37,14 @@ from .packed_attention import packed_attention
 from .compat import cache_kwargs
 from .validation import integer, number
 
-#: Full's top two processed logits closer than this: batched and single-token Full passes may round to
-#: different tokens there. Such verified positions are counted (`ExactRecord.near_ties`), never hidden.
+#: Full's top two processed logits closer than this (float32; in lower precision `near_tie` widens it to the
+#: dtype's rounding): batched and single-token Full passes may round to different tokens there. Such verified
+#: positions are counted (`ExactRecord.near_ties`), never hidden.
 NEAR_TIE = 1e-4
+#: ...and within this many units of the logits' dtype at the top logit: a bfloat16 logit moves in steps of 2^-7 of
+#: its size, and a tie stock broke one way went the other in a batched pass from the first differing token on (a
+#: tiny bfloat16 model's sweep: 10 of 72 greedy runs differed from stock, 6 with no tie counted at 1e-4 alone).
+NEAR_TIE_ULPS = 4
 MAX_DRAFT_LIMIT = 1024
 #: Drafts per verification at most when the caller gives none (best on SmolLM2 at 2K-7K, benchmarks/exact_decoding.py).
 DEFAULT_MAX_DRAFT = 3
@@ -64,7 +69,7 @@ class ExactRecord:
       after the last draft of a verification (no draft to compare, e.g. when the head asked to verify);
       ``full_passes``: Full forward passes after the prefill; ``head_verifications``: passes the head asked
       for (the rest came from ``max_draft``, EOS or the output cap); ``near_ties``: verified positions whose
-      top two Full logits were within `NEAR_TIE`.
+      top two Full logits were within `near_tie` of each other (where greedy output may differ from stock's).
     """
 
     batch_size: int
@@ -152,12 +157,19 @@ def speculative_verify(drafts: list[int], draft_probs: torch.Tensor, target_prob
     return len(drafts), None
 
 
-def greedy_verify(drafts: list[int], target_scores: torch.Tensor) -> tuple[int, int | None, int]:
-    """Greedy verification: ``(accepted drafts, next token or None, near ties among the positions used)``."""
+def near_tie(top: float, dtype: torch.dtype) -> float:
+    """How close Full's top two logits must be (the top one `top`, computed in `dtype`) to count as a near tie."""
+    return max(NEAR_TIE, NEAR_TIE_ULPS * torch.finfo(dtype).eps * abs(top))
+
+
+def greedy_verify(drafts: list[int], target_scores: torch.Tensor,
+                  logits_dtype: torch.dtype = torch.float32) -> tuple[int, int | None, int]:
+    """Greedy verification: ``(accepted drafts, next token or None, near ties among the positions used)``;
+    `logits_dtype`: the dtype the logits were computed in (`near_tie`)."""
     near_ties = 0
     for j in range(min(len(drafts) + 1, target_scores.shape[0])):
         top2 = torch.topk(target_scores[j].float(), 2).values
-        near_ties += int(float(top2[0] - top2[1]) < NEAR_TIE)
+        near_ties += int(float(top2[0] - top2[1]) < near_tie(float(top2[0]), logits_dtype))
         best = int(torch.argmax(target_scores[j]))
         if j == len(drafts):
             return j, best, near_ties
@@ -433,7 +445,7 @@ def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Te
                 pending, torch.stack(pending_probs) if pending else scores[:0], torch.softmax(scores, dim=-1),
                 [float(torch.rand(())) for _ in pending], [float(torch.rand(())) for _ in tokens])
         else:
-            accepted, following, ties = greedy_verify(pending, scores)
+            accepted, following, ties = greedy_verify(pending, scores, hidden.dtype)
             record.near_ties[row] += ties
         record.accepted[row] += accepted
         if following is not None:

@@ -210,6 +210,24 @@ def test_greedy_rule_and_near_ties():
     assert greedy_verify([2, 1], scores) == (0, 1, 0)  # first draft replaced by Full's argmax
     assert greedy_verify([1, 1, 0], scores) == (3, None, 1)
     assert sample_from(torch.tensor([0.0, 0.5, 0.5]), 0.0) == 1 and sample_from(torch.tensor([0.2, 0.8]), 0.99) == 1
+    # bfloat16 logits move in steps of 2^-7 of their size: one step apart at 1.125 is a near tie there, not in float32
+    close = torch.tensor([[1.125, 1.1171875, 0.0]])
+    assert greedy_verify([], close, torch.bfloat16)[2] == 1 and greedy_verify([], close)[2] == 0
+
+
+@pytest.mark.parametrize("seed", [394, 5, 17, 101])
+def test_bfloat16_greedy_differs_from_stock_only_where_a_near_tie_is_counted(seed):
+    """Verification computes several positions in one Full pass, which rounds otherwise than stock's one-token steps:
+    in bfloat16 a tie stock broke one way can go the other. Such positions were not counted (a fixed 1e-4 gap, under
+    bfloat16's rounding): a tiny bfloat16 model's sweep had 10 of 72 greedy runs differ from stock, 6 with no near
+    tie reported. Now a run that differs has counted one."""
+    base = tiny_model("llama", seed=seed).to(torch.bfloat16)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8)).to(torch.bfloat16)
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=SINKS, window=WINDOW, threshold=0.0))
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(seed))
+    expected = stock(model, ids, max_new_tokens=40)
+    out = exact(model, ids, max_new_tokens=40, max_draft=4, verify_threshold=math.inf)
+    assert torch.equal(out, expected) or model.routing.total("near_ties") > 0
 
 
 def full_next_token_distribution(base, prefix, temperature):
@@ -352,3 +370,21 @@ def test_packed_attention_equals_transformers_sdpa(heads, kv_heads, length, mask
     want, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.3)
     assert got.shape == want.shape == (1, length, heads, 8)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+@pytest.mark.parametrize("prompt_length", [8, 19, 25])
+def test_without_a_length_it_generates_what_stock_generates(prompt_length):
+    """Without max_new_tokens or max_length, generate() makes 20 new tokens (its default max_length counts from the
+    prompt's end, within max_position_embeddings); exact mode and the fast path took 20 as the whole length: 12
+    tokens after a prompt of 8, 1 after 19, and "Nothing to generate" after 25, with exit 0 for the first two."""
+    model = exact_model("qwen3")
+    ids = torch.randint(3, 90, (1, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    expected = model.base_model.generate(ids, do_sample=False, pad_token_id=0)
+    assert expected.shape[1] == prompt_length + 20
+    for fast in (False, True):
+        assert torch.equal(exact(model, ids, oda_fast=fast), expected)
+    approximate = model.generate(ids, do_sample=False, pad_token_id=0, oda_fast=True)   # the fast path alone
+    assert approximate.shape == expected.shape
+    capped = exact_model("qwen3", max_position_embeddings=prompt_length + 5)   # generate() caps it there
+    assert exact(capped, ids).shape[1] == capped.base_model.generate(ids, do_sample=False, pad_token_id=0).shape[1]

@@ -71,6 +71,11 @@ def resolve_request(model, inputs, generation_config, kwargs: dict, refuse=None)
         value = kwargs.pop(name, None)
         if value is not None and not (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
             raise _unsupported(f"generate({name}=...)")
+    # generate()'s own test, made before the defaults fill the config: no max_length from the caller, the config
+    # given or the model's, so the default max_length (20) counts new tokens rather than the whole sequence
+    default_max_length = (kwargs.get("max_length") is None
+                          and (generation_config is None or generation_config.max_length is None)
+                          and model.generation_config.max_length is None)
     # The private helpers are the ones generate() itself calls: the only way to get its exact defaults.
     generation_config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     leftover = sorted(set(model_kwargs) - {"use_cache"})
@@ -106,7 +111,12 @@ def resolve_request(model, inputs, generation_config, kwargs: dict, refuse=None)
     if generation_config.max_new_tokens is not None:
         max_new_tokens = generation_config.max_new_tokens
     else:
-        max_new_tokens = generation_config.max_length - length
+        max_length = generation_config.max_length
+        if default_max_length:   # as generate(): after the prompt, within max_position_embeddings
+            max_length += length
+            limit = getattr(model.config, "max_position_embeddings", None)
+            max_length = max_length if limit is None else min(max_length, limit)
+        max_new_tokens = max_length - length
     if max_new_tokens < 1:
         raise ValueError(f"Nothing to generate: max_new_tokens={max_new_tokens} (prompt of {length} tokens, "
                          f"max_length={generation_config.max_length}).")
