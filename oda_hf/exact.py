@@ -230,7 +230,8 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         raise _refuse("output_scores / output_logits")
     for processor in request.processors:
         if isinstance(processor, RepetitionPenaltyLogitsProcessor):
-            # Built for the padded batch (it skips each row's left padding); rows here are decoded unpadded.
+            # Built for the padded batch (it skips each row's left padding); each row here is processed from its
+            # first real column on (`_decode_row`).
             processor.prompt_ignore_length = None
     engine = None
     if oda_fast and fast_path_enabled():
@@ -246,10 +247,14 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
     outputs = []
     for row in range(batch):
-        prompt = request.input_ids[row][request.attention_mask[row].bool()]
-        if prompt.numel() == 0:
+        real = request.attention_mask[row].bool()
+        if not bool(real.any()):
             raise ValueError(f"Row {row} of the batch has no prompt token (its attention_mask is all zeros).")
-        outputs.append(_decode_row(model, prompt, request, settings, eos, record, row, engine))
+        # The model reads the real tokens only; the logits processors read the row from its first real column on,
+        # masked interior tokens included, as generate()'s do (a repetition penalty counts those too).
+        seen = request.input_ids[row][int(real.int().argmax()):]
+        outputs.append(_decode_row(model, request.input_ids[row][real], request, settings, eos, record, row, engine,
+                                   seen.tolist()))
     model.routing = record
     length = max(len(tokens) for tokens in outputs)
     pad = int(request.pad.flatten()[0]) if request.pad is not None else 0
@@ -381,7 +386,7 @@ class EngineDrafts:
 
 
 def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,
-                row: int, engine=None) -> list[int]:
+                row: int, engine=None, seen: list[int] | None = None) -> list[int]:
     if engine is not None:
         engine.prefill(prompt[None])  # its logits are not used: the first token comes from the hidden state, as below
         drafts = EngineDrafts(engine)
@@ -390,17 +395,25 @@ def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: 
         cache = new_exact_cache(model, prompt.numel() + request.max_new_tokens + settings.max_draft + 1)
         last_hidden = _full_pass(model, cache, prompt.tolist(), start=0)[-1:]
         drafts = CacheDrafts(model, cache, last_hidden)
-    return decode_after_prefill(model, drafts, prompt.tolist(), last_hidden, request, settings, eos, record, row)
+    return decode_after_prefill(model, drafts, prompt.tolist(), last_hidden, request, settings, eos, record, row,
+                                seen)
 
 
 def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Tensor, request,
-                         settings: _Settings, eos: set, record: ExactRecord, row: int = 0) -> list[int]:
+                         settings: _Settings, eos: set, record: ExactRecord, row: int = 0,
+                         seen: list[int] | None = None) -> list[int]:
     """Exact decoding of one row whose prompt is already in `drafts`' cache (Full KV; `last_hidden` ``[1, hidden]``
     is the final hidden state of its last position). `drafts`: `CacheDrafts` or `EngineDrafts`. Returns the new
-    tokens; counts go to `record` row `row`."""
+    tokens; counts go to `record` row `row`. `seen`: the prompt as the logits processors read it (default `prompt`;
+    with masked tokens among the real ones, those too)."""
     max_new, sampling = request.max_new_tokens, request.do_sample
     final = list(prompt)
     length = len(final)
+    seen = final if seen is None else list(seen)
+
+    def processed(prefix: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits after `prefix` (the prompt, then new tokens): `_processed` over `seen` instead."""
+        return _processed(request, seen + prefix[length:], logits)
 
     def choose(scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if not sampling:
@@ -408,7 +421,7 @@ def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Te
         probs = torch.softmax(scores, dim=-1)
         return sample_from(probs, float(torch.rand(()))), probs
 
-    final.append(choose(_processed(request, final, model.lm_logits(last_hidden[-1:])[0]))[0])
+    final.append(choose(processed(final, model.lm_logits(last_hidden[-1:])[0]))[0])
     pending: list[int] = []
     pending_probs: list[torch.Tensor] = []
     while True:
@@ -424,7 +437,7 @@ def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Te
                 drafts.reject()
                 head_asked = True
             else:
-                token, probs = choose(_processed(request, final + pending, model.lm_logits(local_hidden)[0]))
+                token, probs = choose(processed(final + pending, model.lm_logits(local_hidden)[0]))
                 drafts.accept(local_hidden)
                 pending.append(token)
                 pending_probs.append(probs)
@@ -438,7 +451,7 @@ def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Te
         record.full_passes[row] += 1
         record.head_verifications[row] += int(head_asked)
         prefix = final + pending
-        scores = torch.stack([_processed(request, prefix[: start + 1 + j], model.lm_logits(hidden[j:j + 1])[0])
+        scores = torch.stack([processed(prefix[: start + 1 + j], model.lm_logits(hidden[j:j + 1])[0])
                               for j in range(len(tokens))])
         if sampling:
             accepted, following = speculative_verify(

@@ -103,6 +103,26 @@ def test_repetition_penalty_on_a_padded_batch_equals_stock(oda_fast):
     assert torch.equal(model.generate(ids, oda_mode="exact", oda_fast=oda_fast, **kwargs), reference)
 
 
+
+@BACKENDS
+def test_repetition_penalty_counts_masked_interior_tokens_as_stock_does(oda_fast):
+    """generate()'s penalty skips a row's left padding only: tokens masked inside the prompt are still penalised.
+    Exact mode feeds the model the real tokens alone and must still penalise those (it had dropped them: another
+    first token, then a shifted output)."""
+    model = exact_model("llama")
+    ids = torch.randint(3, 90, (2, 14), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[0, 5:8] = 0    # masked interior columns holding real token ids
+    mask[1, :3] = 0     # left padding, then an interior zero
+    mask[1, 9] = 0
+    ids[1, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, repetition_penalty=5.0)
+    reference = model.base_model.generate(ids, **kwargs)
+    unpenalised = model.base_model.generate(ids.masked_fill(mask == 0, 1), **kwargs)
+    # (token 1 is not among the ids drawn): without the masked tokens' penalty, stock's own output differs
+    assert not torch.equal(reference[:, 14:], unpenalised[:, 14:])
+    assert torch.equal(model.generate(ids, oda_mode="exact", oda_fast=oda_fast, **kwargs), reference)
+
 @BACKENDS
 def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft(oda_fast):
     model = exact_model("qwen3")
