@@ -295,18 +295,23 @@ HAND_CONFIG_PROBE = """
 import json, os, sys
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 from oda_hf.vllm.settings import check_engine_features
-from oda_hf.vllm.validator import OdaRequestValidator
-oda = {"head": sys.argv[2] or None, "sinks": 4, "window": 16}
-def engine_config(**settings):
+head = sys.argv[2] or None
+def engine_config(head=head, **settings):
+    oda = {"head": head, "sinks": 4, "window": 16}
     return EngineArgs(model=sys.argv[1], hf_overrides={"architectures": ["OdaQwen3_5ForCausalLM"], "oda": oda},
                       dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True, **settings).create_engine_config()
+def admission(config):   # what vLLM's input processor runs for a request to the engine of `config`
+    try:
+        validate_logits_processors_parameters(config.model_config.logits_processors,
+                                              SamplingParams(extra_args={"oda_policy": "head"}))
+        return "admitted"
+    except Exception as err:   # vLLM's VLLMValidationError
+        return str(err)
+other = engine_config(head=None if head else "/heads/h")   # another engine of this process, configured first
 config = engine_config()
-try:
-    OdaRequestValidator.validate_params(SamplingParams(extra_args={"oda_policy": "head"}))
-    admitted = "admitted"
-except ValueError as err:
-    admitted = str(err)
+admitted, other_admitted = admission(config), admission(other)
 check_engine_features(config)   # what the model checks at engine start, on vLLM's own config objects
 try:
     check_engine_features(engine_config(kv_cache_dtype="fp8"))
@@ -314,7 +319,7 @@ try:
 except ValueError as err:
     fp8 = str(err)
 print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model_config.hf_text_config.rope_parameters),
-                  admitted, fp8]))
+                  admitted, other_admitted, fp8]))
 """
 
 
@@ -322,10 +327,12 @@ print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model
 def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path, with_head):
     """`hf_overrides` naming an ODA class, without `engine_args` (README's hand-started server): vLLM's config hook of
     the base architecture runs (Qwen3.5: the checkpoint's recurrent-state dtype, M-RoPE fields dropped for the text
-    model), and admission knows whether the engine has a head (a head request to a headless one is refused before
-    it reaches a model step, where it would stop the engine). The engine-start check refuses a quantized KV cache
-    from vLLM's own config: measured before, with kv_cache_dtype="fp8" on the CPU build, always-Local read the
-    kernels' quantized bytes as numbers (tokens unlike stock vLLM's from the second on, exit 0)."""
+    model), and each engine's admission knows whether that engine has a head (a head request to a headless one is
+    refused before it reaches a model step, where it would stop the engine), also beside another engine of the same
+    process that has the other setting (a process-wide note had let such requests through to a headless engine,
+    which they stopped). The engine-start check refuses a quantized KV cache from vLLM's own config: measured before,
+    with kv_cache_dtype="fp8" on the CPU build, always-Local read the kernels' quantized bytes as numbers (tokens
+    unlike stock vLLM's from the second on, exit 0)."""
     config = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
@@ -336,19 +343,17 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     config.architectures = ["Qwen3_5ForCausalLM"]   # as a real checkpoint's text model carries them
     config.save_pretrained(tmp_path)
     path = [REPO] + ([] if vllm_has_torchvision() else [os.path.join(REPO, "tests", "vllm_stubs")])
-    # A fresh process knows nothing of an engine_args call in this one (which records the head in the environment).
-    env = {key: value for key, value in os.environ.items() if key != "ODA_VLLM_SERVES_HEAD"}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(path)
     proc = subprocess.run([VLLM_PYTHON, "-c", HAND_CONFIG_PROBE, str(tmp_path), "/heads/h" if with_head else ""],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dtype, rope, admitted, fp8 = json.loads(proc.stdout.strip().splitlines()[-1])
+    dtype, rope, admitted, other_admitted, fp8 = json.loads(proc.stdout.strip().splitlines()[-1])
     assert dtype == "float32" and rope == ["partial_rotary_factor", "rope_theta", "rope_type"]
     assert "ODA does not serve with a quantized KV cache (kv_cache_dtype='fp8')" in fp8
-    if with_head:
-        assert admitted == "admitted"
-    else:
-        assert "needs the recall head" in admitted
+    headless = other_admitted if with_head else admitted
+    assert "needs the recall head" in headless
+    assert (admitted if with_head else other_admitted) == "admitted"
 
 
 def test_oda_serve_command_line_carries_the_engine_settings(qwen3_5):

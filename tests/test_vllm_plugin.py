@@ -306,6 +306,12 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     served = 9 + 9 + 5 + 4 * 5 + 3 * (stopped["tokens"] - 1) + 9 + 4 + 7 + 2 * 5 + 3   # refused: no step
     assert int(metrics["oda_routed_steps_total"]) == served
     assert 0 < int(metrics["oda_full_calls_total"]) <= int(metrics["oda_decided_steps_total"]) <= served
+    # the batch chat endpoint (refused before: served with the engine's default policy, no records in its response)
+    assert seen["batch_top_level"][0] == 400 and "inside vllm_xargs" in seen["batch_top_level"][1]
+    status, choices, batch = seen["batch_chat"]
+    assert status == 200 and choices == 2 and len(batch["requests"]) == 2, seen["batch_chat"]
+    assert all(key.endswith(("_0", "_1")) for key in batch["requests"])
+    assert all(r["policy"] == "schedule:1:2" and r["routed_steps"] == 4 for r in batch["requests"].values())
 
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):

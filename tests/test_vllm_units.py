@@ -11,11 +11,10 @@ from oda_hf.vllm import engine_args
 from oda_hf.vllm.attention import check_prefix_caching, local_positions, paged_local_attention, routed_layers
 from oda_hf.vllm.requests import RequestRouting, RequestState, records_of, request_routing
 from oda_hf.vllm.settings import (
-    SERVES_HEAD_ENV,
+    HEADLESS_VALIDATOR,
     ServingSettings,
     check_request_admissible,
-    note_served_head,
-    note_served_head_from_config,
+    refuse_head_requests_if_headless,
 )
 
 DEFAULT = RequestRouting(policy="head", threshold=0.2)
@@ -65,6 +64,14 @@ def test_bad_request_knobs_name_the_value(extra, message):
 def test_misspelled_knobs_are_refused_at_admission():
     with pytest.raises(ValueError, match="spelled exactly so"):
         check_request_admissible({"oda_threshhold": 0.9})
+
+
+def test_a_misspelled_key_of_a_hand_written_override_is_refused():
+    """An engine configured by hand (``hf_overrides={"oda": {...}}``): a misspelled key had been dropped, and the
+    engine served the head's own window instead of the one asked for."""
+    with pytest.raises(ValueError, match=r"Unknown ODA settings \['windw'\].*'window'"):
+        ServingSettings.from_override({"head": None, "windw": 64})
+    assert ServingSettings.from_override({"sinks": 2, "window": 64, "policy": "local"}).window == 64
 
 
 @pytest.mark.parametrize("policy", ["random:0.1234567:5", "random:1e-07", "random:0.25"])
@@ -171,44 +178,34 @@ def test_prefix_caching_of_a_streaming_session_stops_at_its_first_prompt():
     assert cacheable_tokens(session) == 30
 
 
-def test_admission_refuses_head_requests_to_a_headless_server(monkeypatch):
-    monkeypatch.setenv(SERVES_HEAD_ENV, "")  # restored at teardown
-    monkeypatch.delenv(SERVES_HEAD_ENV)
-    check_request_admissible({"oda_policy": "head"})  # no engine configured in this process: nothing known
-    note_served_head(False)
+def test_admission_refuses_head_requests_to_a_headless_engine():
     for policy in ("head", "budget:0.25"):
         with pytest.raises(ValueError, match="needs the recall head.*serve with a head"):
-            check_request_admissible({"oda_policy": policy})
-    check_request_admissible({"oda_policy": "local"})
-    check_request_admissible({"oda_threshold": 0.3})  # the engine's default policy applies (local without a head)
+            check_request_admissible({"oda_policy": policy}, serves_head=False)
+        check_request_admissible({"oda_policy": policy})
+    check_request_admissible({"oda_policy": "local"}, serves_head=False)
+    check_request_admissible({"oda_threshold": 0.3}, serves_head=False)  # the engine's default policy applies
     with pytest.raises(ValueError, match="oda_policy: unknown policy"):
-        check_request_admissible({"oda_policy": "sometimes"})
-    note_served_head(True)
-    note_served_head(False)  # sticky: some engine of this process has a head
-    check_request_admissible({"oda_policy": "head"})
+        check_request_admissible({"oda_policy": "sometimes"}, serves_head=False)
 
 
-def test_a_hand_started_server_learns_its_head_from_the_model_config(monkeypatch):
-    """The server middleware reads the served model's ``oda`` override (as vLLM's API server holds it in
-    ``app.state.vllm_config``) when no engine_args call recorded it."""
+def test_each_headless_engine_gets_the_head_refusing_check_from_its_config():
+    """The config hook gives an engine without a head `HeadlessEngineValidator` among its logits processors (what
+    vLLM's admission runs for that engine's requests), keeping any the user named; an engine with a head, or one that
+    is not ODA's, is left alone. Per engine, not per process: a process-wide note of "some engine here has a head"
+    had let head requests through to a headless engine of the same process, which then stopped in a model step.
+    (vLLM loading the class by that name and refusing: test_vllm_hybrids' hand-configured engine.)"""
     from types import SimpleNamespace
 
-    def config(oda):
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(oda=oda)))
+    def config(oda, processors=None):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(oda=oda),
+                                                            logits_processors=processors))
 
-    monkeypatch.setenv(SERVES_HEAD_ENV, "")
-    monkeypatch.delenv(SERVES_HEAD_ENV)
-    note_served_head_from_config(None)  # not vLLM's server: nothing known, nothing refused
-    note_served_head_from_config(config(None))
-    check_request_admissible({"oda_policy": "head"})
-    note_served_head_from_config(config({"head": None, "sinks": 4, "window": 64}))
-    with pytest.raises(ValueError, match="needs the recall head"):
-        check_request_admissible({"oda_policy": "head"})
-    monkeypatch.delenv(SERVES_HEAD_ENV)
-    note_served_head_from_config(config({"head": "/heads/h", "sinks": 4, "window": 64}))
-    check_request_admissible({"oda_policy": "budget:0.25"})
-    note_served_head_from_config(config({"head": None}))  # already known: unchanged
-    check_request_admissible({"oda_policy": "head"})
+    headless, headed, other = config({"head": None}, ["my.Processor"]), config({"head": "/heads/h"}), config(None)
+    for engine in (headless, headed, other, headless):   # twice: added once
+        refuse_head_requests_if_headless(engine)
+    assert headless.model_config.logits_processors == ["my.Processor", HEADLESS_VALIDATOR]
+    assert headed.model_config.logits_processors is None and other.model_config.logits_processors is None
 
 
 def test_schedule_and_random_decisions():
@@ -267,9 +264,21 @@ def test_records_of_a_request_include_its_samples_and_sub_requests():
 
 
 def test_summary_is_json_safe():
+    """JSON has no NaN or infinity, and the server answers with strict JSON: a head scoring +-inf (a step it routes
+    Full) made the finished response an HTTP 400 "Out of range float values are not JSON compliant"."""
+    import json
+
+    from oda_hf.vllm.requests import packed, unpacked
+
     state = RequestState(RequestRouting("head"))
-    state.scores += [math.nan, 0.5]
-    assert state.summary()["scores"] == [None, 0.5]
+    state.scores += [math.nan, 0.5, math.inf, -math.inf]
+    state.decisions += [False, False, True, True]
+    record = state.summary()
+    assert record["scores"] == [None, 0.5, None, None]
+    assert unpacked(packed(record))["scores"] == [None, 0.5, None, None]
+    state.scores[:] = [math.nan, 0.5, math.inf, -math.inf]   # as the worker keeps them, packed before a summary
+    assert unpacked(packed({**record, "scores": state.scores}))["scores"] == [None, 0.5, None, None]
+    json.dumps(record, allow_nan=False)
 
 
 def dense_local_reference(query, keys, values, seq_len, sinks, window, scale):
@@ -612,6 +621,25 @@ def test_the_server_refuses_knobs_outside_vllm_xargs_and_beam_search():
     assert "does not route beam search" in refusal({"prompt": "x", "use_beam_search": True, "n": 2})
     assert refusal({"prompt": "x", "vllm_xargs": {"oda_policy": "local"}, "use_beam_search": False}) is None
     assert refusal(["not", "a", "dict"]) is None
+    # as vLLM's request model reads the flag: the string "false" is false (it had been refused), "yes" is true
+    assert refusal({"prompt": "x", "use_beam_search": "false"}) is None
+    assert "does not route beam search" in refusal({"prompt": "x", "use_beam_search": "yes"})
+    # SamplingParams' own name for the knobs, at the body's top level: ignored by vLLM (served with the default)
+    assert "'extra_args.oda_policy'" in refusal({"prompt": "x", "extra_args": {"oda_policy": "full"}})
+    assert refusal({"prompt": "x", "extra_args": {"other": 1}}) is None
+    # vLLM turns a JSON true into 1 before ODA sees it: threshold 1.0 had been served (offline, True is refused)
+    assert "boolean" in refusal({"prompt": "x", "vllm_xargs": {"oda_threshold": True}})
+    assert refusal({"prompt": "x", "vllm_xargs": {"oda_threshold": 1, "other": True}}) is None
+
+
+def test_a_threshold_without_a_head_is_refused():
+    """The engine would never read it (`oda serve --threshold` without --head was accepted; the other commands
+    refuse it)."""
+    with pytest.raises(ValueError, match="threshold=0.5 is the recall head's threshold, but no head is given"):
+        ServingSettings.resolve(threshold=0.5)
+    assert ServingSettings.resolve(policy="local").head is None
+    headless = ServingSettings.resolve(policy="random:0.25")
+    assert ServingSettings.from_override(headless.to_override()) == headless   # the override carries a threshold
 
 
 def test_records_trimmed_to_the_returned_tokens():

@@ -96,6 +96,22 @@ def main(port: int, model: str, ids: list) -> None:
         seen["responses_sample_id"] = [err.code, json.load(err)["error"]["message"]]
     with urllib.request.urlopen(f"{base}/metrics") as response:
         seen["metrics"] = [line for line in response.read().decode().splitlines() if line.startswith("oda_")]
+    # vLLM's batch chat endpoint (one choice and engine request "<id>_<i>" per conversation): a misplaced key is
+    # refused as on the others, and the response carries its conversations' records
+    words = " ".join(f"w{i}" for i in ids)
+    for name, extra in {"batch_top_level": {"oda_policy": "full"},
+                        "batch_chat": {"vllm_xargs": {"oda_policy": "schedule:1:2"}}}.items():
+        batch = urllib.request.Request(
+            f"{base}/v1/chat/completions/batch", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": model, "messages": [[{"role": "user", "content": words}],
+                                                         [{"role": "user", "content": words[: len(words) // 2]}]],
+                             "max_tokens": 5, "temperature": 0, "ignore_eos": True, **extra}).encode())
+        try:
+            with urllib.request.urlopen(batch) as response:
+                answer = json.load(response)
+                seen[name] = [response.status, len(answer["choices"]), answer.get("oda_routing")]
+        except urllib.error.HTTPError as err:
+            seen[name] = [err.code, json.load(err)["error"]["message"]]
     print(json.dumps(seen))
 
 

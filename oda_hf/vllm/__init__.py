@@ -59,8 +59,8 @@ def _register_config_hooks() -> None:
     """Give every ODA architecture vLLM's config hook of its base architecture, which vLLM finds by architecture name
     (e.g. Qwen3.5's: the recurrent state's dtype from the checkpoint and one-dimensional rotary positions), so an
     engine configured by hand (``hf_overrides`` naming an ODA class) is configured as `engine_args` configures it.
-    The hook also records whether the engine serves a head (`settings.note_served_head`), so that admission refuses
-    head requests to a headless engine however it was built, instead of failing inside a model step."""
+    The hook also gives an engine without a head the admission check that refuses head requests
+    (`settings.refuse_head_requests_if_headless`), however it was built, instead of failing inside a model step."""
     try:
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
     except ImportError:  # another vLLM layout: engine_args still applies the base's settings itself
@@ -78,18 +78,16 @@ def _config_hook(oda_name: str, base_hooks: tuple, hook_base: type) -> type:
     def verify_and_update_config(vllm_config) -> None:
         for hook in base_hooks:
             hook.verify_and_update_config(vllm_config)
-        from .settings import note_served_head, served_head_of
+        from .settings import refuse_head_requests_if_headless
 
-        serves_head = served_head_of(vllm_config)
-        if serves_head is not None:
-            note_served_head(serves_head)
+        refuse_head_requests_if_headless(vllm_config)
 
     def verify_and_update_model_config(model_config) -> None:
         for hook in base_hooks:
             hook.verify_and_update_model_config(model_config)
 
     return type(f"{oda_name}Config", (hook_base,), {
-        "__doc__": f"vLLM's config hooks of {oda_name}'s base architecture, and a note of its head.",
+        "__doc__": f"vLLM's config hooks of {oda_name}'s base architecture, and the head's admission check.",
         "verify_and_update_config": staticmethod(verify_and_update_config),
         "verify_and_update_model_config": staticmethod(verify_and_update_model_config)})
 
@@ -122,7 +120,7 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     they are the engine's defaults, and a request may choose its own policy and threshold (``extra_args``).
     """
     from ..known_models import resolve_base
-    from .settings import ServingSettings, check_no_speculative_decoding, check_unquantized_kv_cache, note_served_head
+    from .settings import ServingSettings, check_no_speculative_decoding, check_unquantized_kv_cache
 
     check_no_speculative_decoding(vllm_kwargs.get("speculative_config"))
     check_unquantized_kv_cache(vllm_kwargs.get("kv_cache_dtype"))
@@ -131,7 +129,6 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner
     if settings.head is not None:
         check_head_fits(settings.head, folder)
-    note_served_head(settings.head is not None)  # lets admission refuse head requests to a headless server
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
     architecture = oda_architecture(folder)
     overrides.update(architectures=[architecture], oda=settings.to_override())

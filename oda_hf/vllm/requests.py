@@ -203,9 +203,15 @@ class RequestState:
                   "recomputed_tokens": self.recomputed_tokens + earlier.get("recomputed_tokens", 0)}
         if details:
             record["decisions"] = earlier.get("decisions", []) + list(self.decisions)
-            # JSON has no NaN: None where the head did not run
-            record["scores"] = earlier.get("scores", []) + [None if math.isnan(s) else s for s in self.scores]
+            record["scores"] = earlier.get("scores", []) + [json_score(s) for s in self.scores]
         return record
+
+
+def json_score(score: float) -> float | None:
+    """A step's head score as the records give it: None where the head did not run (NaN), or where its score was not
+    finite (NaN or +-inf, which route the step Full): JSON has no such numbers, and a server answering with them fails
+    the whole response."""
+    return score if math.isfinite(score) else None
 
 
 def replay_flags(state: RequestState, prompt: int, first: int, count: int, span: int) -> tuple[list, bool]:
@@ -418,10 +424,10 @@ def packed(record: dict) -> dict:
 
 
 def unpacked(record: dict) -> dict:
-    """The record `packed` kept, with its decisions and scores as lists again (None where the head did not run; the
-    scores rounded to 32-bit floats)."""
+    """The record `packed` kept, with its decisions and scores as lists again (`json_score`: None where the head did
+    not run or scored a non-finite number; the scores rounded to 32-bit floats)."""
     return {**record, "decisions": [bool(d) for d in record["decisions"]],
-            "scores": [None if math.isnan(score) else score for score in record["scores"]]}
+            "scores": [json_score(score) for score in record["scores"]]}
 
 
 def counts_only(record: dict) -> dict:

@@ -7,7 +7,8 @@ this module's middleware, which adds:
   calls, decisions, scores) keyed by the OpenAI response id (``cmpl-...`` / ``chatcmpl-...``; a completion with
   several prompts has ``-0``, ``-1``... after it; with ``n > 1`` each sample has its own record, ``0_<id>``,
   ``1_<id>``...), and the pooled Full-call rate over them (without an id: every record kept, counts only);
-* ``oda_routing`` in every non-streaming ``/v1/completions`` and ``/v1/chat/completions`` response (a streaming
+* ``oda_routing`` in every non-streaming ``/v1/completions``, ``/v1/chat/completions`` and
+  ``/v1/chat/completions/batch`` response (a streaming
   client reads the record from ``/v1/oda/routing`` with the id of its chunks);
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
   ``oda_pooled_full_call_rate`` on ``/metrics``, over every request the engine has served.
@@ -31,7 +32,8 @@ import os
 import sys
 
 ROUTING_PATH = "/v1/oda/routing"
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+BATCH_CHAT_PATH = "/v1/chat/completions/batch"   # vLLM's: a list of conversations, one choice (and request) each
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", BATCH_CHAT_PATH)
 # Every path that generates from a JSON body with vllm_xargs: a misplaced ODA key is refused on each.
 GENERATION_PATHS = (*COMPLETION_PATHS, "/v1/responses", "/v1/messages")
 
@@ -158,7 +160,7 @@ def _matching(records: dict, request_id: str) -> dict:
 def response_caller_ids(path: str, data: dict, samples: int) -> list[str] | None:
     """The caller's ids of the engine requests behind one non-streaming response `data` of `path` that asked for
     `samples` (``n``) per prompt, as vLLM's OpenAI server names them: a completion's prompts ``<id>-0``, ``<id>-1``...;
-    a chat's one prompt ``<id>`` (several: ``<id>_0``...); with ``n > 1`` each sample ``<k>_`` before that. Exact, so
+    a chat's one prompt ``<id>`` (several, or a batch chat's conversations: ``<id>_0``...); with ``n > 1`` each sample ``<k>_`` before that. Exact, so
     that another caller's request whose id only looks like one of these (``job_1`` beside ``job``) is not taken for
     part of the response. None when the choices do not divide into `samples` per prompt."""
     response_id, choices = str(data.get("id", "")), len(data.get("choices") or [])
@@ -167,9 +169,19 @@ def response_caller_ids(path: str, data: dict, samples: int) -> list[str] | None
     prompts = choices // samples
     if path == "/v1/completions":
         bases = [f"{response_id}-{i}" for i in range(prompts)]
+    elif path == BATCH_CHAT_PATH:   # "<id>_<i>" even for one conversation
+        bases = [f"{response_id}_{i}" for i in range(prompts)]
     else:
         bases = [response_id] if prompts == 1 else [f"{response_id}_{i}" for i in range(prompts)]
     return bases if samples == 1 else [f"{k}_{base}" for base in bases for k in range(samples)]
+
+
+def _read_as_true(value) -> bool:
+    """Whether vLLM's request model (pydantic, lax) reads a boolean field's JSON `value` as true: ``true``, ``1``, or
+    a string such as ``"true"`` / ``"yes"`` (``"false"`` is false)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "t", "yes", "y", "on", "1")
+    return value is True or (isinstance(value, (int, float)) and value == 1)
 
 
 def refusal(body, path: str = "/v1/completions") -> str | None:
@@ -185,16 +197,23 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
     if not isinstance(body, dict):
         return None
     misplaced = [key for key in body if is_oda_key(key)]
+    extra_args = body.get("extra_args")   # SamplingParams' name for them, which vLLM ignores in a body
+    misplaced += [f"extra_args.{key}" for key in (extra_args if isinstance(extra_args, dict) else ()) if is_oda_key(key)]
     if misplaced:
         return (f"ODA's request keys go inside vllm_xargs ({{\"vllm_xargs\": {{\"oda_policy\": ...}}}}); "
                 f"{', '.join(map(repr, misplaced))} at the top level of the body would be ignored.")
+    xargs = body.get("vllm_xargs")
+    flags = [key for key, value in (xargs.items() if isinstance(xargs, dict) else ()) if isinstance(value, bool)
+             and is_oda_key(key)]
+    if flags:   # vLLM reads a JSON true in vllm_xargs as the number 1 before ODA sees it
+        return f"vllm_xargs {', '.join(map(repr, flags))}: a boolean is not a policy or threshold; give a string or number."
     request_id = body.get("request_id")
     if path == "/v1/responses" and isinstance(request_id, str) and sample_of(request_id) is not None:
         # vLLM names the k-th sample of an n > 1 request "<k>_<id>": the engine would read this request as one
         return (f"request_id {request_id!r} has the form vLLM gives the samples of an n > 1 request (<k>_<id>): ODA "
                 f"would take it for sample {sample_of(request_id)[0]} of another request (its Random draws, its "
                 "routing records). Use an id that does not begin with digits and an underscore.")
-    if body.get("use_beam_search"):
+    if _read_as_true(body.get("use_beam_search")):
         return ("ODA does not route beam search: vLLM runs each beam step as a new one-token request, whose only "
                 "token comes from a Full prefill, so no step would be routed. Decode without use_beam_search, or "
                 "serve beam search without ODA.")
@@ -206,10 +225,7 @@ async def oda_routing_middleware(request, call_next):
     from starlette.responses import JSONResponse, Response
 
     from .requests import counts_only, pooled, trimmed
-    from .settings import note_served_head_from_config
 
-    # Before admission checks this request: a server started by hand has not yet recorded whether it has a head.
-    note_served_head_from_config(getattr(request.app.state, "vllm_config", None))
     path = request.url.path
     if path == ROUTING_PATH and request.method == "GET":
         wanted = request.query_params.get("request_id")

@@ -11,15 +11,9 @@ from dataclasses import dataclass
 
 from .requests import POLICY_KEY, RequestRouting, exact_text, parse_policy, request_routing
 
-# Whether an engine configured in this process (by `engine_args`, which `oda serve` also calls) serves a recall head:
-# "1" once any does, else "0"; unset when no engine was configured here (e.g. `vllm serve` with hand-written
-# overrides). The admission check reads it: vLLM gives a request validator nothing but the request.
-SERVES_HEAD_ENV = "ODA_VLLM_SERVES_HEAD"
-
-
-def note_served_head(has_head: bool) -> None:
-    """Record that this process configured an engine with / without a head (sticky once any has one)."""
-    os.environ[SERVES_HEAD_ENV] = "1" if has_head or os.environ.get(SERVES_HEAD_ENV) == "1" else "0"
+# The admission check of an engine served without a recall head (its config hook adds it to the engine's logits
+# processors): vLLM gives a request validator nothing but the request, so each engine gets the check it needs.
+HEADLESS_VALIDATOR = "oda_hf.vllm.validator:HeadlessEngineValidator"   # vLLM's <module>:<class> form
 
 
 def served_head_of(vllm_config) -> bool | None:
@@ -30,14 +24,15 @@ def served_head_of(vllm_config) -> bool | None:
     return bool(settings.get("head")) if isinstance(settings, dict) else None
 
 
-def note_served_head_from_config(vllm_config) -> None:
-    """For a server started by hand (``vllm.entrypoints.openai.api_server --hf-overrides '{"oda": ...}'``, not through
-    `engine_args`): record whether it serves a head from its model's ``oda`` override, unless already known."""
-    if os.environ.get(SERVES_HEAD_ENV) in ("0", "1"):
-        return
-    serves_head = served_head_of(vllm_config)
-    if serves_head is not None:
-        note_served_head(serves_head)
+def refuse_head_requests_if_headless(vllm_config) -> None:
+    """Give an engine served without a head the admission check that refuses head requests (`HEADLESS_VALIDATOR`
+    among its logits processors), however it was configured: such a request would otherwise fail inside a model step,
+    which stops the engine with every request in it."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if served_head_of(vllm_config) is False:
+        processors = list(getattr(model_config, "logits_processors", None) or [])
+        if HEADLESS_VALIDATOR not in processors:
+            model_config.logits_processors = [*processors, HEADLESS_VALIDATOR]
 
 
 def check_no_speculative_decoding(speculative_config) -> None:
@@ -78,16 +73,18 @@ def check_engine_features(vllm_config) -> None:
                          "engine without enable_prompt_embeds.")
 
 
-def check_request_admissible(extra_args: dict | None) -> None:
-    """ValueError for a request this process's engines cannot serve: invalid ODA knobs, or a policy that needs the
-    recall head when every engine configured here runs without one (it would otherwise fail inside a model step,
-    where vLLM cannot fail one request alone)."""
+def check_request_admissible(extra_args: dict | None, serves_head: bool = True) -> None:
+    """ValueError for a request an engine cannot serve: invalid ODA knobs, or (`serves_head` False) a policy that needs
+    the recall head (it would otherwise fail inside a model step, where vLLM cannot fail one request alone)."""
     extra_args = extra_args or {}
     routing = request_routing(extra_args, RequestRouting())
-    if (extra_args.get(POLICY_KEY) is not None and routing.policy in ("head", "budget")
-            and os.environ.get(SERVES_HEAD_ENV) == "0"):
+    if extra_args.get(POLICY_KEY) is not None and routing.policy in ("head", "budget") and not serves_head:
         raise ValueError(f"{POLICY_KEY} {routing.policy!r} needs the recall head, and this server runs without one: "
                          "ask for full, local, random:P or schedule:K:PERIOD, or serve with a head (head=...).")
+
+
+# The keys of the served model's ``oda`` override (`ServingSettings.to_override`).
+OVERRIDE_KEYS = ("head", "sinks", "window", "threshold", "policy")
 
 
 @dataclass(frozen=True)
@@ -130,6 +127,9 @@ class ServingSettings:
         explicit = {key: value for key, value in (("sinks", sinks), ("window", window), ("threshold", threshold))
                     if value is not None}
         routing = OdaConfig.from_kwargs(routing, **explicit)
+        if head is None and threshold is not None and not from_override:   # (`to_override` writes one for any engine)
+            raise ValueError(f"threshold={threshold} is the recall head's threshold, but no head is given: the engine "
+                             "would never read it. Pass head=<folder>, or drop threshold.")
         if policy is None:
             policy = routing.policy if head is not None else "local"
         default = parse_policy(policy, routing.threshold)
@@ -156,5 +156,8 @@ class ServingSettings:
         if not isinstance(values, dict):
             raise ValueError("This model needs ODA settings in its config (`oda`): build the engine with "
                              "oda_hf.vllm.engine_args(...) or `oda serve`.")
-        return cls.resolve(**{key: values.get(key) for key in ("head", "sinks", "window", "threshold", "policy")},
-                           from_override=True)
+        unknown = sorted(set(values) - set(OVERRIDE_KEYS))
+        if unknown:   # a misspelled key would be served with the head's own setting instead
+            raise ValueError(f"Unknown ODA settings {unknown} in the model config's `oda` override; the keys are "
+                             f"{list(OVERRIDE_KEYS)}.")
+        return cls.resolve(**{key: values.get(key) for key in OVERRIDE_KEYS}, from_override=True)

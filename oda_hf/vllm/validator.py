@@ -1,8 +1,9 @@
-"""The request check vLLM runs at admission: a logits processor that changes nothing but validates ODA's knobs.
+"""The request checks vLLM runs at admission: logits processors that change nothing but validate ODA's knobs.
 
-Registered under vLLM's ``vllm.logits_processors`` entry point, so ``vllm serve`` and ``vllm.LLM`` load it with the
-plugin; a request with a bad ``oda_policy`` / ``oda_threshold``, a misspelled ``oda_`` key, or one asking for the
-head from a server without one, fails alone (HTTP 400 / ``ValueError``).
+`OdaRequestValidator` is registered under vLLM's ``vllm.logits_processors`` entry point, so ``vllm serve`` and
+``vllm.LLM`` load it with the plugin: a request with a bad ``oda_policy`` / ``oda_threshold`` or a misspelled ``oda_``
+key fails alone (HTTP 400 / ``ValueError``). An engine served without a recall head also gets
+`HeadlessEngineValidator` (its config hook adds it), which refuses requests for the head's policies.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from .settings import check_request_admissible
 class OdaRequestValidator(LogitsProcessor):
     """Changes no logits; rejects a request whose ODA knobs are invalid before it reaches the engine."""
 
+    serves_head = True
+
     @classmethod
     def validate_params(cls, sampling_params):
         extra = getattr(sampling_params, "extra_args", None) or {}
         if any(is_oda_key(key) for key in extra):
-            check_request_admissible(extra)
+            check_request_admissible(extra, cls.serves_head)
 
     def __init__(self, vllm_config, device, is_pin_memory):
         pass
@@ -33,3 +36,9 @@ class OdaRequestValidator(LogitsProcessor):
 
     def update_state(self, batch_update):
         pass
+
+
+class HeadlessEngineValidator(OdaRequestValidator):
+    """The check of an engine served without a recall head: also refuses ``oda_policy`` head / budget."""
+
+    serves_head = False
