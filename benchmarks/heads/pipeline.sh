@@ -41,15 +41,25 @@ has train && { [ -f "$RUN/head/model.safetensors" ] || "${oda[@]}" train-head --
   --threads "${TRAIN_THREADS:-1}"; }
 has calibrate && "${oda[@]}" calibrate --base "$BASE" --head "$RUN/head" --data "$RUN/ruler-dev/kjv/$DEV_LENGTH" \
   --within-full 2 --grid $GRID "${chat[@]}" "${cap[@]}" --out "$RUN/calibrate-dev" --threads 1
-if has test; then  # every policy of a prompt shares one Full prefill; THETA: the calibrated threshold
-  theta=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['chosen']['threshold'])" \
-    "$RUN/calibrate-dev/calibration.json")
+# The dev-calibrated threshold (the calibrate step's choice)
+calibrated() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['chosen']['threshold'])" \
+  "$RUN/calibrate-dev/calibration.json"; }
+head=${HEAD:-$RUN/head}  # HEAD: evaluate another head, e.g. the shipped one (HEAD=$BASE)
+if has test; then  # every policy of a prompt shares one Full prefill
+  theta=$(calibrated)
   for L in $TEST_LENGTHS; do
-    "${oda[@]}" eval --base "$BASE" --head "$RUN/head" --suite jsonl "${chat[@]}" "${cap[@]}" --data "$RUN/ruler-test/kjv/$L" \
+    "${oda[@]}" eval --base "$BASE" --head "$head" --suite jsonl "${chat[@]}" "${cap[@]}" --data "$RUN/ruler-test/kjv/$L" \
       --policies full local oda random --thresholds "$theta" --seeds 42 43 44 --primary-threshold "$theta" \
       --sinks "$SINKS" --window "$WINDOW" --limit "${LIMIT:-$TEST_N}" --out "$RUN/oda-test/$L"
   done
 fi
-has diagnose && "${oda[@]}" diagnose --base "$BASE" --head "$RUN/head" --data "$RUN/test_references.jsonl" \
+if has budget; then  # not a default step: a Full-call budget that holds (BudgetPolicy at the calibrated threshold)
+  # against Random at the same rates, on the first test length (BUDGET_LENGTH to pick another)
+  L=${BUDGET_LENGTH:-${TEST_LENGTHS%% *}}; theta=${THETA:-$(calibrated)}
+  "${oda[@]}" eval --base "$BASE" --head "$head" --suite jsonl "${chat[@]}" "${cap[@]}" --data "$RUN/ruler-test/kjv/$L" \
+    --policies budget:0.25 budget:0.4 random:0.25 random:0.4 --thresholds "$theta" --seeds 42 43 \
+    --sinks "$SINKS" --window "$WINDOW" --limit "${LIMIT:-$TEST_N}" --out "$RUN/budget-test/$L"
+fi
+has diagnose && "${oda[@]}" diagnose --base "$BASE" --head "$head" --data "$RUN/test_references.jsonl" \
   --positions 128 --out "$RUN/diagnose-test" --no-progress
 exit 0
