@@ -255,6 +255,24 @@ def test_random_groups_report_mean_and_sample_std_across_seeds():
     assert "50.00 ± 70.71" in report.markdown_report(records)
 
 
+def test_report_warns_when_policies_ran_on_different_examples():
+    """A kill mid-run, a rerun over fewer prompts or other tasks into the folder, or a merge leaves policies over
+    different examples; the tables averaged each over its own (ODA led Random by 13 points in a sweep table where, per
+    task, they were equal: Random had one task of two). The report says so, per policy and task."""
+    def run(policy, kind, examples, seed=None):
+        return [{**_record(task, policy, 1, 4, 1.0, kind=kind, threshold=0.0 if kind != "full" else None,
+                           group=policy.split("/")[0], seed=seed), "id": f"{task}/{i}"} for task, i in examples]
+
+    both = [("a", 0), ("a", 1), ("b", 0)]
+    complete = run("full", "full", both) + run("oda@0", "oda", both)
+    assert report.coverage_note(complete) is None
+    assert "not all run on the same examples" not in report.markdown_report(complete)
+    partial = complete + run("random~oda@0/seed42", "random", both) + run("random~oda@0/seed43", "random", both[:1])
+    note = report.coverage_note(partial)
+    assert "random~oda@0/seed43: a 1 of 2, b 1 of 1" in note and "seed42" not in note and "full" not in note
+    assert note in report.markdown_report(partial)
+
+
 def test_random_policy_realizes_its_rate():
     policy = RandomPolicy(0.3, seed=42)
     draws = torch.stack([policy.decide(None, step, 4, "cpu") for step in range(1, 5001)])
@@ -301,6 +319,10 @@ def test_auroc_and_ap_against_brute_force():
     labels = np.array([True, False, True, False, False])
     assert stats.average_precision(distinct, labels) == pytest.approx((1 / 1 + 2 / 3) / 2)
     assert math.isnan(stats.auroc(distinct, np.ones(5, dtype=bool)))
+    # the head policy calls Full on any non-finite score: -inf ranks first, as NaN and +inf do (it ranked last)
+    for odd in (math.nan, math.inf, -math.inf):
+        assert stats.auroc([odd, 0.5, 0.1], [True, False, False]) == 1.0
+        assert stats.net_gain([odd, 0.5, 0.1], [2.0, -1.0, -1.0], 1 / 3) == pytest.approx(2 / 3)
 
 
 def test_net_gain_random_expectation_and_oracle():
@@ -700,6 +722,45 @@ def test_merge_keeps_the_matched_random_records_drawn_at_the_current_rate(tmp_pa
     runner.merge_results(a, [b])
     merged = runner.ResultsFile(a).records
     assert [merged[(r["id"], r["policy"])] for r in fresh] == fresh
+
+
+def test_merge_takes_what_each_source_reports(tmp_path):
+    """A source rerun over fewer prompts redraws their matched control at the smaller run's rate; its own report then
+    reads the earlier records at the current rate. The merge took only each pair's newest record, so the merged
+    report lost the control of the other prompts (2 of 4 here)."""
+    from collections import Counter
+
+    model, tokenizer = oda_model(), word_tokenizer()
+    policies = [runner.oda(0.0), runner.random_matched(0.0, 42)]
+    suite = _suite(n_per_task=4)
+    needles = [e for e in suite if e.task == "niah_single_1"]
+    a, b = tmp_path / "a" / "results.jsonl", tmp_path / "b" / "results.jsonl"
+    runner.evaluate(model, tokenizer, needles, policies, b, progress=False)
+    runner.evaluate(model, tokenizer, suites.select_examples(needles, None, 2), policies, b, progress=False)
+    runner.evaluate(model, tokenizer, [e for e in suite if e.task == "qa_1"], policies, a, progress=False)
+    counts = Counter((r["group"], r["task"]) for r in runner.ResultsFile(b).current())
+    assert counts[("random~oda@0", "niah_single_1")] == 4
+    runner.merge_results(a, [b])
+    merged = Counter((r["group"], r["task"]) for r in runner.ResultsFile(a).current())
+    assert merged[("random~oda@0", "niah_single_1")] == merged[("oda@0", "niah_single_1")] == 4
+
+
+def test_merge_refuses_an_example_scored_against_other_answers(tmp_path):
+    """Two folders whose data gave one example id other answers (corrected between runs): merged, the same output
+    scored 0 for Full and 100 for ODA. Refused, naming the field; rerunning each folder rescores it first."""
+    import dataclasses
+
+    model, tokenizer = oda_model(), word_tokenizer()
+    example = _suite(n_per_task=1)[0]
+    a, b = tmp_path / "a" / "results.jsonl", tmp_path / "b" / "results.jsonl"
+    runner.evaluate(model, tokenizer, [dataclasses.replace(example, answers=["w1000"])], [runner.full()], a,
+                    progress=False)
+    runner.evaluate(model, tokenizer, [example], [runner.oda(0.0)], b, progress=False)
+    with pytest.raises(ValueError, match=r"scores example niah_single_1/0 otherwise than .* \(answers\)"):
+        runner.merge_results(a, [b])
+    assert len(runner.ResultsFile(a).records) == 1   # nothing appended
+    runner.evaluate(model, tokenizer, [example], [runner.full()], a, progress=False)   # rescored, not regenerated
+    assert runner.merge_results(a, [b]) == 1
 
 
 def test_random_controls_draw_per_example(tmp_path):

@@ -216,3 +216,42 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     with pytest.raises(UsageError, match="hold the same rows"):
         run = parser.parse_args(train[:5] + [str(tmp_path / "c"), "--output", str(tmp_path / "head3")] + train[7:])
         run.func(run)
+
+
+def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path):
+    """A run killed while saving its final head (or a finished run resumed again) resumes from the checkpoint that
+    holds all max_steps updates. transformers' loop checks for the end only after an update, so mid-epoch it ran one
+    more, and with OdaTrainer's constant learning rate that update changed the head (3 updates over 8 rows: the
+    resumed head had 4)."""
+    rows = packed_rows()
+    settings = dict(max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps",
+                    save_steps=1)
+    whole = oda_model()
+    start = copy.deepcopy(whole.recall_head.state_dict())
+    OdaTrainer(model=whole, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows)).train()
+    resumed = oda_model()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.recall_head.state_dict().values(), start.values()))
+    trainer = OdaTrainer(model=resumed, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows))
+    output = trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert output.global_step == trainer.state.global_step == 3
+    assert not (tmp_path / "checkpoint-4").exists()
+    for name, value in whole.recall_head.state_dict().items():
+        assert torch.equal(resumed.recall_head.state_dict()[name], value), name
+
+
+def test_a_resumed_run_whose_remaining_updates_lack_supervision_finishes(tmp_path):
+    """The end-of-training check (updates ran, none had an eligible position) counted this process's updates only:
+    resumed where only an unsupervised row was left, it raised "No eligible position in the training data", and the
+    CLI then never saved the final head."""
+    rows = packed_rows()[:2]
+    rows.append({"input_ids": list(range(1, 25)), "position_ids": list(range(24)), "labels": [-100] * 24})
+    settings = dict(max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps",
+                    save_steps=1, train_sampling_strategy="sequential")
+    whole = oda_model()
+    OdaTrainer(model=whole, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows)).train()
+    resumed = oda_model()
+    trainer = OdaTrainer(model=resumed, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.state.global_step == 3 and trainer.skipped_updates == 1 and trainer.applied_updates == 0
+    for name, value in whole.recall_head.state_dict().items():
+        assert torch.equal(resumed.recall_head.state_dict()[name], value), name

@@ -402,6 +402,19 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "out"))
     assert model.oda_config.window == 3 and model.recall_head.config.head_width == 8
+    # other training data: --data had recorded no trace of its rows, so a resume on other data was mixed into one
+    # head, and a fresh run over this folder's checkpoints was let through (a later --resume took their head)
+    from oda_hf.cli_common import UsageError
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text().replace("w2 ", "w3 ").replace("w5", "w6"))
+    common[common.index(str(data))] = str(other)
+    for extra, fragment in ((["--max-steps", "4", "--resume"], "--resume: Resuming .*rows_sha256"),
+                            (["--max-steps", "3"], "rows_sha256")):
+        args = parser.parse_args(common + extra)
+        with pytest.raises(UsageError, match=fragment):
+            args.func(args)
+    assert not (tmp_path / "out" / "checkpoint-4").exists()
 
 
 def test_fetched_or_shipped_base_is_recorded_by_short_name(tmp_path):

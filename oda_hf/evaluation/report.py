@@ -339,6 +339,30 @@ def routing_table(groups: dict[str, GroupSummary]) -> str:
     return "\n".join(lines)
 
 
+def coverage_note(records: Sequence[dict]) -> str | None:
+    """A warning when the policies (each Random seed apart) were not all run on the same examples: their averages
+    would then be over different prompts or tasks (an interrupted run, a rerun over fewer prompts or other tasks into
+    the folder, a merge), and a column's lead could be the prompts' doing. None when they were."""
+    from collections import Counter
+
+    examples: dict[str, set] = {}
+    for record in records:
+        examples.setdefault(record["policy"], set()).add((record["task"], record["id"]))
+    every = set().union(*examples.values()) if examples else set()
+    short = {policy: every - seen for policy, seen in examples.items() if seen != every}
+    if not short:
+        return None
+    totals = Counter(task for task, _ in every)
+    lines = ["**Warning: the policies were not all run on the same examples**, so the averages below are over "
+             "different prompts (or tasks); compare them on the shared ones, or finish the run (rerun `oda eval` with "
+             "the same command). Missing:"]
+    for policy in sorted(short):
+        missing = Counter(task for task, _ in short[policy])
+        lines.append(f"- {_cell(policy)}: " + ", ".join(f"{_cell(task)} {missing[task]} of {totals[task]}"
+                                                         for task in task_order(missing)))
+    return "\n".join(lines)
+
+
 def markdown_report(records: Sequence[dict], primary_threshold: float | None = None, title: str = "ODA evaluation") -> str:
     groups = summarize(records)
     if not groups:
@@ -348,8 +372,11 @@ def markdown_report(records: Sequence[dict], primary_threshold: float | None = N
              "Scores in percent (task mean of example scores; Avg = unweighted mean over tasks). Rates beside a "
              "score are that task's Full-call rate F_d/N_d over the routed steps past sinks + window. Avg rates: "
              "task-avg = mean_d F_d/N_d, pooled = sum F_d / sum N_d; the paper's rate counts every routed step. "
-             "Random entries: mean ± sample std across seeds.", "",
-             "## Quality", "", main_table(groups, primary_threshold), ""]
+             "Random entries: mean ± sample std across seeds.", ""]
+    note = coverage_note(records)
+    if note:
+        parts += [note, ""]
+    parts += ["## Quality", "", main_table(groups, primary_threshold), ""]
     odas = sum(g.kind == "oda" for g in groups.values())
     if odas > 1 or (odas and any(g.group.startswith("random~") for g in groups.values())):
         parts += ["## ODA threshold sweep and the matched Random control", "", sweep_table(groups), ""]

@@ -419,15 +419,32 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
         check_manifest(source_manifest, settings, source)
         loaded.append((source, ResultsFile(source, repair=False)))
         check_report_fields(loaded[-1][1].records.values(), source)
-    # Before anything is appended: an example id must be the same prompt and output cap in every file.
+    # Before anything is appended: an example id must be the same prompt and output cap in every file, and be
+    # scored alike (task, metric, answers, scorer): the same output scored against other answers would sit beside it.
     prompts: dict[str, dict] = {}
+    scoring: dict[str, tuple[str, dict]] = {}
     for path, records in [(output_path, results.records.values())] + [(s, f.records.values()) for s, f in loaded]:
         for record in records:
             first = prompts.setdefault(record["id"], record.get("settings") or {})
             if record.get("settings") and first:
                 check_same_prompt([record], {key: first.get(key) for key in PROMPT_KEYS}, path)
+            identity = {key: record.get(key) for key in SCORING_KEYS}
+            where, seen = scoring.setdefault(record["id"], (path, identity))
+            if identity != seen:
+                differing = ", ".join(key for key in SCORING_KEYS if identity[key] != seen[key])
+                raise ValueError(f"{path} scores example {record['id']} otherwise than {where} ({differing}): merged, "
+                                 "one output would count as right in one policy and wrong in another. Rerun `oda eval` "
+                                 "on the current data into each folder first (it rescores the stored outputs), then "
+                                 "merge.")
     for source, file in loaded:
-        for key, record in file.records.items():
+        # of each pair, what the source's own report reads (a matched Random record drawn at a stale rate gives way
+        # to an earlier one at the current rate; only the newest was merged, and the others were lost); every
+        # version of a matched pair stays a candidate for the merged rate below
+        reported = {(r["id"], r["policy"]): r for r in file.current()}
+        for key, newest in file.records.items():
+            record = reported.get(key, newest)
+            if is_matched_random(record):
+                contested.setdefault(key, []).extend(v for v in file.versions[key] if v is not record)
             held = results.records.get(key)
             if held is None:
                 results.add(record)
@@ -445,7 +462,8 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
         held = results.records[key]
         rate = matched_rate_of(held, rates)
         if held.get("p") != rate:
-            valid = next((r for r in candidates if r.get("p") == rate), None)
+            valid = next((r for r in reversed(candidates) if r.get("p") == rate
+                          and (draws_per_example(r) or not draws_per_example(held))), None)
             if valid is not None:
                 results.add(valid)
                 added += 1
@@ -527,6 +545,8 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
 
 #: What makes two records of one example id records of the same item, whatever their policies.
 PROMPT_KEYS = ("prompt_sha256", "max_new_tokens")
+#: A record's fields its score depends on besides its output (`scoring_identity`).
+SCORING_KEYS = ("task", "metric", "answers", "scorer")
 
 
 def check_same_prompt(records: Iterable[dict], prompt: dict, where: str) -> None:

@@ -35,9 +35,9 @@ def _rankdata(values: np.ndarray) -> np.ndarray:
 
 
 def _finite_first(scores) -> np.ndarray:
-    """NaN scores count as +inf: the head policy calls Full on a non-finite score."""
+    """Non-finite scores (NaN, -inf as well as +inf) count as +inf: the head policy calls Full on any of them."""
     scores = np.asarray(scores, dtype=float)
-    return np.where(np.isnan(scores), np.inf, scores)
+    return np.where(np.isfinite(scores), scores, np.inf)
 
 
 def auroc(scores, labels) -> float:

@@ -200,9 +200,14 @@ def run_cli(args) -> int:
 
                 trainer = OdaCacheTrainer(model=model, args=training_args, cache=cache)
             else:
+                from .supervision_cache import rows_sha256
+
+                # the rows' content hash, as --from-cache records its caches': resuming on other data (or a fresh
+                # run over another run's checkpoints) is refused, not mixed into one head
                 trainer = OdaTrainer(model=model, args=training_args, train_dataset=PackedDataset(rows),
                                      data_collator=OdaDataCollator(pad_token_id=pad if pad is not None else 0),
-                                     supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer})
+                                     supervision_settings={"seq_len": args.seq_len, "tokenizer": args.tokenizer,
+                                                           "rows_sha256": rows_sha256(rows)})
         if checkpoint is None:
             check_fresh_output(args.output, trainer.supervision_settings, trainer.args.to_dict())
         # The resume and supervision checks of train(), run first so that a mistake reads as one line.

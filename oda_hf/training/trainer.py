@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers import Trainer, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import CALIBRATION_NAME, OdaConfig
@@ -362,10 +362,32 @@ class OdaTrainer(Trainer):
     # -- a dataset without supervision is an error, not a silent no-op --------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume_from_checkpoint = self.check_before_training(resume_from_checkpoint)
+        finished = self._finished_checkpoint(resume_from_checkpoint)
+        if finished is not None:
+            return finished
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if self.state.global_step > 0 and self.applied_updates == 0 and self.skipped_updates > 0:
+        # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
+        # the checkpoint's updates had some; data without any is refused before training, `_check_supervision`)
+        if not resume_from_checkpoint and self.state.global_step > 0 and self.applied_updates == 0 \
+                and self.skipped_updates > 0:
             raise ValueError(self._no_supervision_message("the training data"))
         return output
+
+    def _finished_checkpoint(self, checkpoint) -> TrainOutput | None:
+        """Resuming from a checkpoint that already holds all `max_steps` updates (a run killed while saving its final
+        head, or a finished run resumed again): its head, and no update. transformers' loop checks for the end only
+        after an update, so it would run one more, mid-epoch; with its default linear schedule at learning rate 0
+        that changes nothing, but OdaTrainer's constant schedule would apply it."""
+        if not checkpoint or self.args.max_steps <= 0:
+            return None
+        state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        if state.global_step < self.args.max_steps:
+            return None
+        self._load_from_checkpoint(checkpoint)
+        self.state = state
+        logger.info("%s already holds all %d updates (max_steps): nothing left to train.", checkpoint,
+                    self.args.max_steps)
+        return TrainOutput(state.global_step, 0.0, {})
 
     def check_before_training(self, resume_from_checkpoint: str | bool | None = None):
         """The checks `train` makes first (the checkpoint is complete and has the same supervision settings; the
