@@ -442,8 +442,31 @@ def test_cpu_layout_matches_what_vllm_writes():
     flat = cache.view(2, 1, 8, 3)
     assert torch.equal(keys[1, 0, 2], flat[1, 0, :4].reshape(3, 4)[:, 2])     # key of offset 2: column 2 of [D, block]
     assert torch.equal(values[1, 0, 2], flat[1, 0, 4 + 2])                    # value of offset 2: row 2 after the keys
-    with pytest.raises(NotImplementedError, match="amx"):
-        paged_layout("CPU_ATTN", cache, isa="amx")
+    with pytest.raises(NotImplementedError, match="'neon' kernels"):
+        paged_layout("CPU_ATTN", cache, isa="neon")
+    with pytest.raises(ValueError, match="no strided view"):
+        paged_layout("CPU_ATTN", torch.zeros(2, 1, 32, 64), isa="amx").views(cache)
+
+
+def test_amx_layout_indices_cover_each_head_once():
+    """The AMX kernels' packing (vLLM's CPU build, bfloat16, blocks of 32k positions): keys and values of one head
+    fill its 2 * block * D elements, each once, keys before values; where vLLM writes each element is checked
+    against its own `cpu_attn_reshape_and_cache` in test_vllm_hybrids, and end to end by the bfloat16 Qwen3.5 tests
+    on a machine with AMX."""
+    from oda_hf.vllm.attention import paged_layout
+
+    blocks, heads, block, dim = 3, 2, 32, 64
+    layout = paged_layout("CPU_ATTN", torch.zeros(blocks, heads, block, 2 * dim), isa="amx")
+    offsets = torch.arange(block).repeat(blocks, 1)
+    table = torch.arange(blocks)[:, None].expand(blocks, block)
+    keys = layout.gather_index(table, offsets, values=False)     # [blocks, heads, block, dim]
+    values = layout.gather_index(table, offsets, values=True)
+    per_head = 2 * block * dim
+    for b in range(blocks):
+        for h in range(heads):
+            start = (b * heads + h) * per_head
+            assert sorted(keys[b, h].flatten().tolist()) == list(range(start, start + block * dim))
+            assert sorted(values[b, h].flatten().tolist()) == list(range(start + block * dim, start + per_head))
 
 
 def _attention_layer(name, sliding_window=None, soft_cap=0.0):
@@ -467,7 +490,8 @@ def test_routed_layers_refuse_what_local_cannot_serve():
 
 def test_an_unknown_cache_layout_refuses_the_engine_at_start():
     """`check_local_layouts` (run by ODA's runner right after vLLM allocates the KV cache) reads each routed layer's
-    layout: AMX kernels are refused then, naming the fix, not inside the first step with a Local row."""
+    layout: kernels whose layout it does not know (ARM's NEON) are refused then, naming the fix, not inside the first
+    step with a Local row."""
     from oda_hf.vllm.attention import check_local_layouts, oda_attention_impl_class
 
     class Impl:
@@ -482,9 +506,9 @@ def test_an_unknown_cache_layout_refuses_the_engine_at_start():
                 self.impl.__class__ = oda_attention_impl_class(Impl, "CPU_ATTN")
             self.kv_cache, self.isa = torch.zeros(2, 1, 4, 6), isa
 
-    check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx", routed=False)))   # a native layer is not read
-    with pytest.raises(NotImplementedError, match="float32"):
-        check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("amx")))
+    check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("neon", routed=False)))   # a native layer is not read
+    with pytest.raises(NotImplementedError, match="'neon' kernels.*Serve on an x86"):
+        check_local_layouts(torch.nn.Sequential(Layer("vec"), Layer("neon")))
 
 
 def test_prefix_caching_of_a_hybrid_needs_the_hybrid_kv_cache_manager():
@@ -532,18 +556,29 @@ def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
 
     from oda_hf.vllm.settings import check_engine_features
 
-    def config(speculative=None, stages=1, prompt_embeds=False, cache_dtype="auto"):
+    def config(speculative=None, stages=1, prompt_embeds=False, cache_dtype="auto", dcp=1, pcp=1, dbo=False,
+               async_scheduling=None):
         return SimpleNamespace(speculative_config=speculative,
-                               parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=stages,
+                                                               decode_context_parallel_size=dcp,
+                                                               prefill_context_parallel_size=pcp, enable_dbo=dbo),
                                model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds),
-                               cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+                               cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                               scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
     for fine in ("auto", "bfloat16", "float32"):
         check_engine_features(config(cache_dtype=fine))
+    check_engine_features(config(async_scheduling=False))
     for bad, message in ((config(speculative={"method": "ngram"}), "speculative decoding"),
                          (config(stages=2), "pipeline_parallel_size=2"),
                          (config(prompt_embeds=True), "without enable_prompt_embeds"),
-                         (config(cache_dtype="fp8_e5m2"), "quantized KV cache .kv_cache_dtype='fp8_e5m2'")):
+                         (config(cache_dtype="fp8_e5m2"), "quantized KV cache .kv_cache_dtype='fp8_e5m2'"),
+                         # not refused before (read in vLLM's GPU path; none runs on CPU): Local would read a
+                         # rank's share of the positions; DBO splits the routed batch; async scheduling plans a step
+                         # before the last one's tokens are known, and engine_args' setting could be overridden
+                         (config(dcp=2), "decode_context_parallel_size=2"),
+                         (config(pcp=2), "prefill_context_parallel_size=2"),
+                         (config(dbo=True), "enable_dbo"), (config(async_scheduling=True), "no-async-scheduling")):
         with pytest.raises(ValueError, match=message):
             check_engine_features(bad)
 
@@ -864,6 +899,27 @@ def test_flash_layout_of_vllm_0_32_matches_how_its_kernels_split_the_cache():
     assert torch.equal(keys, vllm_keys.transpose(1, 2)) and torch.equal(values, vllm_values.transpose(1, 2))
     with pytest.raises(NotImplementedError, match="3-D cache of shape"):
         paged_layout("FLASH_ATTN", torch.zeros(3, 4, 6))
+
+
+def test_flash_layout_reads_a_strided_layer_inside_a_shared_buffer():
+    """vLLM's default KV layout (NHD) interleaves heads within positions, and a layer's cache is a view inside a
+    buffer shared by every layer: the layout takes the view's own strides and its start (the views had read layer 0's
+    memory for every layer, and Local refused any strided cache)."""
+    from oda_hf.vllm.attention import LocalGather, paged_layout
+
+    blocks, layers, block, heads, dim = 5, 3, 8, 2, 4
+    shared = torch.randn(blocks, layers, block, heads, 2 * dim)   # blocks outermost, then layers, positions, heads
+    cache = shared[:, 1].transpose(1, 2)                          # layer 1: [blocks, heads, block, 2 * D], strided
+    assert not cache.is_contiguous() and cache.storage_offset() > 0
+    layout = paged_layout("FLASH_ATTN", cache)
+    keys, values = layout.views(cache)
+    flash_keys, flash_values = cache.transpose(1, 2).split(dim, dim=-1)   # how FlashAttention reads it
+    assert torch.equal(keys, flash_keys.transpose(1, 2)) and torch.equal(values, flash_values.transpose(1, 2))
+    table, seq_lens = torch.tensor([[4, 0, 3, 1, 2]]), torch.tensor([37])
+    query = torch.randn(1, 2 * heads, dim)
+    out = LocalGather.build(layout, table, seq_lens, 2, 8).attend(query, cache, 0.5)
+    expected = paged_local_attention(query, keys, values, table, seq_lens, 2, 8, 0.5)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_finished_records_are_kept_packed_and_read_back_as_run():

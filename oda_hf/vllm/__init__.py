@@ -78,8 +78,11 @@ def _config_hook(oda_name: str, base_hooks: tuple, hook_base: type) -> type:
     def verify_and_update_config(vllm_config) -> None:
         for hook in base_hooks:
             hook.verify_and_update_config(vllm_config)
-        from .settings import refuse_head_requests_if_headless
+        from .settings import check_no_speculative_decoding, refuse_head_requests_if_headless
 
+        # first: vLLM refuses the headless check (a custom logits processor) beside speculative decoding, in words
+        # that do not say why ODA cannot serve it
+        check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
         refuse_head_requests_if_headless(vllm_config)
 
     def verify_and_update_model_config(model_config) -> None:

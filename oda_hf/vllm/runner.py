@@ -216,9 +216,28 @@ class OdaRunnerMixin:
                 positions=positions[tokens_dev],
             )
             for attn_group in self.attn_groups[gid]:
-                built = attn_group.build_metadata(copy(common))
+                built = build_sub_batch_metadata(attn_group, copy(common))
                 for name in attn_group.layer_names:
                     metadata[name] = built
             for name in group.layer_names:
                 slots[name] = layer_slots
         return metadata, slots
+
+
+def build_sub_batch_metadata(attn_group, common):
+    """`attn_group.build_metadata(common)` for a sub-batch of the step, leaving the step's own metadata intact.
+
+    Where a group's kernels use smaller blocks than its cache manager (e.g. a hybrid model's large manager blocks on a
+    backend with fixed kernel blocks), vLLM maps each build's block table into kernel blocks inside one buffer of the
+    group, shared by every build, and the metadata keeps a view of it: a sub-batch's build would overwrite the rows
+    of the step's own table, which Local attention reads afterwards (another request's blocks). So the table is
+    mapped here into a tensor of its own (vLLM's mapping: kernel block j of block b is ``b * stride + j``)."""
+    from dataclasses import replace
+
+    if getattr(attn_group, "kernel_block_size", None) is None:
+        return attn_group.build_metadata(common)
+    per_block = attn_group.kv_cache_spec.block_size // attn_group.kernel_block_size
+    table = common.block_table_tensor
+    mapped = (table.unsqueeze(-1) * (attn_group.kernel_block_stride or per_block)
+              + attn_group.kernel_block_offsets.to(table.device)).flatten(1).to(table.dtype)
+    return attn_group.get_metadata_builder(0).build(0, replace(common, block_table_tensor=mapped))

@@ -198,7 +198,8 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
         return None
     misplaced = [key for key in body if is_oda_key(key)]
     extra_args = body.get("extra_args")   # SamplingParams' name for them, which vLLM ignores in a body
-    misplaced += [f"extra_args.{key}" for key in (extra_args if isinstance(extra_args, dict) else ()) if is_oda_key(key)]
+    if isinstance(extra_args, dict):
+        misplaced += [f"extra_args.{key}" for key in extra_args if is_oda_key(key)]
     if misplaced:
         return (f"ODA's request keys go inside vllm_xargs ({{\"vllm_xargs\": {{\"oda_policy\": ...}}}}); "
                 f"{', '.join(map(repr, misplaced))} at the top level of the body would be ignored.")
@@ -206,7 +207,8 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
     flags = [key for key, value in (xargs.items() if isinstance(xargs, dict) else ()) if isinstance(value, bool)
              and is_oda_key(key)]
     if flags:   # vLLM reads a JSON true in vllm_xargs as the number 1 before ODA sees it
-        return f"vllm_xargs {', '.join(map(repr, flags))}: a boolean is not a policy or threshold; give a string or number."
+        return (f"vllm_xargs {', '.join(map(repr, flags))}: a boolean is not a policy or threshold; give a string or "
+                "number.")
     request_id = body.get("request_id")
     if path == "/v1/responses" and isinstance(request_id, str) and sample_of(request_id) is not None:
         # vLLM names the k-th sample of an n > 1 request "<k>_<id>": the engine would read this request as one

@@ -64,10 +64,26 @@ def check_engine_features(vllm_config) -> None:
     needs it, where the error would stop the engine with every request in it, or than serving wrong tokens."""
     check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
     check_unquantized_kv_cache(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None))
-    stages = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    stages = getattr(parallel, "pipeline_parallel_size", 1)
     if stages and stages > 1:
         raise ValueError(f"ODA serves on one pipeline stage (pipeline_parallel_size={stages}): the routed step needs "
                          "the whole model in one pass. Use tensor parallelism or pipeline_parallel_size=1.")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if isinstance(size, int) and size > 1:   # each rank then holds every size-th position of a request
+            raise ValueError(f"ODA does not serve with context parallelism ({name}={size}): Local attention reads a "
+                             "request's positions from one rank's paged cache, where each rank holds only some of "
+                             f"them. Start the engine with {name}=1.")
+    if getattr(parallel, "enable_dbo", False) is True:
+        raise ValueError("ODA does not serve with dual-batch overlap (enable_dbo): the routed step decides and "
+                         "retries rows over the whole batch, which DBO splits into micro-batches. Start the engine "
+                         "without enable_dbo.")
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True:
+        raise ValueError("ODA does not serve with asynchronous scheduling: its routed step keeps per-request state "
+                         "from the previous step, which an asynchronous scheduler plans before that step's tokens are "
+                         "known (never run). Start the engine with async_scheduling=False (--no-async-scheduling); "
+                         "engine_args and `oda serve` set it.")
     if getattr(getattr(vllm_config, "model_config", None), "enable_prompt_embeds", False):
         raise ValueError("ODA serves token-id prompts (the recall head reads each token's embedding): start the "
                          "engine without enable_prompt_embeds.")

@@ -41,10 +41,16 @@ def _gpu_classes():
         pass
 
     class OdaGPUWorker(Worker):
+        def _make_model_runner(self):
+            # vLLM's hook for a worker's runner: building its own first would allocate a second runner's GPU buffers
+            _require_v1_runner(self)
+            return OdaGPUModelRunner(self.vllm_config, self.device)
+
         def init_device(self):
             super().init_device()
-            _require_v1_runner(self)
-            self.model_runner = OdaGPUModelRunner(self.vllm_config, self.device)
+            if not isinstance(self.model_runner, OdaGPUModelRunner):   # a vLLM without the hook
+                _require_v1_runner(self)
+                self.model_runner = OdaGPUModelRunner(self.vllm_config, self.device)
 
         def oda_routing_stats(self, response_id=None, engine_ids=None, details=True, caller_ids=None):
             return self.model_runner.oda_routing_stats(response_id, engine_ids, details, caller_ids)
