@@ -154,3 +154,17 @@ def test_a_real_process_exits_2_without_traceback(files):
                               timeout=120)
         assert done.returncode == 2, done.stderr
         assert fragment in done.stderr and "Traceback" not in done.stderr
+
+
+def test_eval_policies_whose_names_collide_are_refused():
+    """Records are keyed by policy name, which keeps 6 significant digits: `--thresholds 0.1 0.1000001` ran one of the
+    two and dropped the other without a word. The same value twice still runs once."""
+    from oda_hf.cli_common import UsageError
+    from oda_hf.evaluation.cli import build_policies
+
+    assert [s.name for s in build_policies(["oda", "random", "oda"], [0.1, 0.1], [42, 42])] == \
+        ["oda@0.1", "random~oda@0.1/seed42"]
+    with pytest.raises(UsageError, match=r"'oda@0.1' \(threshold 0.1 and 0.1000001\)"):
+        build_policies(["oda"], [0.1, 0.1000001], [42])
+    with pytest.raises(UsageError, match=r"'random@p0.25/seed42' \(p 0.25 and 0.2500001\)"):
+        build_policies(["random:0.25", "random:0.2500001"], [0.0], [42])

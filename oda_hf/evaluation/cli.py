@@ -207,8 +207,16 @@ def build_policies(words, thresholds, seeds) -> list:
                 specs.append(runner.schedule(int(k), int(period)))
             except ValueError as err:
                 raise UsageError(f"bad schedule {word!r}: {err} (use schedule:K:PERIOD)") from err
-    names = [s.name for s in specs]
-    return [s for i, s in enumerate(specs) if s.name not in names[:i]]  # drop repeats
+    kept: dict = {}
+    for spec in specs:   # a word or value given twice runs once; two values that print alike are an error
+        first = kept.setdefault(spec.name, spec)
+        if first != spec:   # (records are keyed by name: the second would have been dropped, or taken for the first)
+            values = [(name, getattr(first, name), getattr(spec, name)) for name in ("threshold", "p")
+                      if getattr(first, name) != getattr(spec, name)]
+            raise UsageError(f"two policies would be recorded as {spec.name!r} ("
+                             + ", ".join(f"{name} {a!r} and {b!r}" for name, a, b in values)
+                             + "): policy names keep 6 significant digits; give values that differ in them.")
+    return list(kept.values())
 
 
 def run_eval(args) -> int:
