@@ -380,8 +380,23 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         batch_size, num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         prefill = cache.get_seq_length() == 0 or num_tokens > 1
         if cache.get_seq_length() == 0 or self._generate_call_starting:
+            continuing = self._generate_call_starting and not prefill
             self._generate_call_starting = False
             self._start_request(batch_size, prefilled=prefill)
+            if continuing and attention_mask is not None and attention_mask.dim() == 2 \
+                    and attention_mask.shape[-1] == cache.get_seq_length() + num_tokens:
+                # A call that continues a cache with no new prompt token runs no prefill, which is where the Local
+                # workspace follows the call's mask: this one may hide history columns the last call showed (the
+                # padding after a row's EOS), which Local would otherwise still read and count.
+                masked = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+                if masked and getattr(self.oda_config.routing_policy(), "name", None) != "full":
+                    # Full decodes it without reading it; Local's step always reads its own token
+                    raise ValueError(
+                        f"Rows {masked} continue from a token their attention_mask hides (the last column is 0, e.g. "
+                        "the padding after a row's EOS): ODA's Local step cannot decode from a hidden token as Full "
+                        "does. Append the next prompt tokens to every row (the usual next turn), or keep those "
+                        "columns visible (attention_mask 1, as generate() kept them).")
+                cache.rebuild_workspace(attention_mask[:, :-num_tokens], batch_size)
         if prefill:
             hidden = self._full_prefill(cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
             if isinstance(logits_to_keep, int):

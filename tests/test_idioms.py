@@ -155,3 +155,54 @@ def test_continuing_without_new_tokens_routes_every_output():
     start = first.sequences.shape[1] - 1
     expected = reference[:, start:start + 4]
     assert (torch.stack(second.logits, dim=1) - expected).abs().max().item() < 2e-5
+
+
+def _per_query_local_logits(base, sequences, query_masks, use_full, sinks, window, position_ids):
+    """A full-attention model's logits where query t sees the keys `query_masks[:, t]` allows (each call's own
+    mask: turn 1's queries read turn 1's, turn 2's the turn-2 mask), restricted to sinks + window over the positions
+    that mask leaves, unless `use_full[:, t]`."""
+    total = sequences.shape[1]
+    valid = query_masks.bool()
+    logical = valid.long().cumsum(-1)   # each key's position among those its query sees
+    index = torch.arange(total)
+    query_position = logical[:, index, index][:, :, None]
+    in_local = (logical <= sinks) | (logical >= query_position - window + 1)
+    allowed = valid & (index[:, None] >= index[None, :]) & (use_full[:, :, None] | in_local)
+    with torch.no_grad():
+        return base(input_ids=sequences, attention_mask=allowed[:, None], position_ids=position_ids,
+                    use_cache=False).logits
+
+
+def test_continuing_without_new_tokens_follows_the_new_mask():
+    """Turn 2 = turn 1's sequences with some of turn 1's output columns now hidden: no prefill runs, and the Local
+    workspace had kept reading (and counting) them while Full did not (logits up to 0.17 off the reference, `in_window`
+    wrong). A row whose last token is hidden cannot be decoded by Local as Full decodes it: refused, naming the fix;
+    always-Full still runs it as stock does."""
+    sinks, window = 2, 4
+    model = head_model(family="llama", policy="local", sinks=sinks, window=window)
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    first = model.generate(input_ids=ids, max_new_tokens=8, **kwargs)
+    turn1_length = first.sequences.shape[1]   # 17: 16 cached, the last output not yet
+    hidden = [10, 11, 12, 13]
+    mask2 = torch.ones_like(first.sequences)
+    mask2[:, hidden] = 0
+    second = model.generate(input_ids=first.sequences, attention_mask=mask2, output_logits=True, max_new_tokens=4,
+                            **cache_kwargs(copy.deepcopy(getattr(first, CACHE_ARG))), **kwargs)
+    total = second.sequences.shape[1]
+    mask_all = torch.cat([mask2, torch.ones(1, total - turn1_length, dtype=mask2.dtype)], dim=1)
+    turn2 = torch.arange(total)[:, None] >= turn1_length - 1   # queries of the second call
+    query_masks = torch.where(turn2[None], mask_all[:, None, :], torch.ones(1, total, total, dtype=mask2.dtype))
+    use_full = torch.arange(total)[None] < ids.shape[1]          # every prompt position: Full prefill
+    positions = torch.where(turn2[:, 0][None], (mask_all.cumsum(-1) - 1).clamp(min=0), torch.arange(total)[None])
+    expected = _per_query_local_logits(model.base_model, second.sequences, query_masks, use_full, sinks, window,
+                                       positions)[:, turn1_length - 1:turn1_length + 3]
+    assert (torch.stack(second.logits, dim=1) - expected).abs().max().item() < 2e-5
+    mask2[:, -1] = 0   # the token turn 2 decodes from, hidden
+    with pytest.raises(ValueError, match=r"Rows \[0\] continue from a token their attention_mask hides"):
+        model.generate(input_ids=first.sequences, attention_mask=mask2, max_new_tokens=2,
+                       **cache_kwargs(copy.deepcopy(getattr(first, CACHE_ARG))), **kwargs)
+    model.set_routing(policy="full")   # no Local step: runs (always-Full equals stock; the audit measured 0.0)
+    full = model.generate(input_ids=first.sequences, attention_mask=mask2, max_new_tokens=3,
+                          **cache_kwargs(copy.deepcopy(getattr(first, CACHE_ARG))), **kwargs)
+    assert full.sequences.shape[1] == turn1_length + 3
