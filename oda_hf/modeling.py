@@ -384,7 +384,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             self._generate_call_starting = False
             self._start_request(batch_size, prefilled=prefill)
             if continuing and attention_mask is not None and attention_mask.dim() == 2 \
-                    and attention_mask.shape[-1] == cache.get_seq_length() + num_tokens:
+                    and attention_mask.shape[-1] == cache.get_seq_length() + 1:   # (one token: not a prefill)
                 # A call that continues a cache with no new prompt token runs no prefill, which is where the Local
                 # workspace follows the call's mask: this one may hide history columns the last call showed (the
                 # padding after a row's EOS), which Local would otherwise still read and count.
@@ -396,7 +396,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                         "the padding after a row's EOS): ODA's Local step cannot decode from a hidden token as Full "
                         "does. Append the next prompt tokens to every row (the usual next turn), or keep those "
                         "columns visible (attention_mask 1, as generate() kept them).")
-                cache.rebuild_workspace(attention_mask[:, :-num_tokens], batch_size)
+                cache.rebuild_workspace(attention_mask[:, :-1], batch_size)
         if prefill:
             hidden = self._full_prefill(cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
             if isinstance(logits_to_keep, int):

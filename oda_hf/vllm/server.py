@@ -160,9 +160,9 @@ def _matching(records: dict, request_id: str) -> dict:
 def response_caller_ids(path: str, data: dict, samples: int) -> list[str] | None:
     """The caller's ids of the engine requests behind one non-streaming response `data` of `path` that asked for
     `samples` (``n``) per prompt, as vLLM's OpenAI server names them: a completion's prompts ``<id>-0``, ``<id>-1``...;
-    a chat's one prompt ``<id>`` (several, or a batch chat's conversations: ``<id>_0``...); with ``n > 1`` each sample ``<k>_`` before that. Exact, so
-    that another caller's request whose id only looks like one of these (``job_1`` beside ``job``) is not taken for
-    part of the response. None when the choices do not divide into `samples` per prompt."""
+    a chat's one prompt ``<id>`` (several, or a batch chat's conversations: ``<id>_0``...); with ``n > 1`` each
+    sample ``<k>_`` before that. Exact, so that another caller's request whose id only looks like one of these
+    (``job_1`` beside ``job``) is not taken for part of the response. None when the choices do not divide into `samples` per prompt."""
     response_id, choices = str(data.get("id", "")), len(data.get("choices") or [])
     if not isinstance(samples, int) or samples < 1 or not choices or choices % samples:
         return None
