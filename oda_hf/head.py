@@ -347,7 +347,7 @@ class RecallHead(PreTrainedModel):
         push = pop_push_kwargs(push_to_hub, kwargs)
         written = self._save_folder(save_directory, *args, model_card_fields=model_card_fields, **kwargs)
         if push is not None:
-            push_published(self, save_directory, written, **push)
+            push_published(save_directory, written, **push)
 
     def _save_folder(self, save_directory, *args, oda_config=None, model_card_fields: dict | None = None,
                      **kwargs) -> list[str]:
@@ -466,7 +466,7 @@ def pop_push_kwargs(push_to_hub: bool, kwargs: dict) -> dict | None:
     return {key: kwargs.pop(key) for key in PUSH_KWARGS if key in kwargs}
 
 
-def push_published(obj, folder, names, repo_id: str | None = None, commit_message: str | None = None,
+def push_published(folder, names, repo_id: str | None = None, commit_message: str | None = None,
                    commit_description: str | None = None, private: bool | None = None,
                    token: bool | str | None = None, create_pr: bool = False, revision: str | None = None):
     """Upload the files `names` a save just published into `folder` to `repo_id` (default: the folder's name), as
@@ -474,14 +474,13 @@ def push_published(obj, folder, names, repo_id: str | None = None, commit_messag
     calibration.json, the user's own) are not this save's and stay local."""
     from transformers.utils.hub import hf_api
 
+    from .hub import upload_saved_files
+
     folder = os.path.abspath(os.fspath(folder))
     repo_id = hf_api().create_repo(repo_id or os.path.basename(folder), private=private, token=token,
                                    exist_ok=True).repo_id
-    others = {name: float("inf") for name in os.listdir(folder) if name not in names}  # never "modified"
-    return obj._upload_modified_files(
-        folder, repo_id, files_timestamps=others, commit_message=commit_message or "Upload ODA recall head",
-        token=token, create_pr=create_pr, revision=revision, commit_description=commit_description,
-    )
+    return upload_saved_files(folder, names, repo_id, commit_message=commit_message, token=token,
+                              create_pr=create_pr, revision=revision, commit_description=commit_description)
 
 
 def register_auto_classes() -> None:

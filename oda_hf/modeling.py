@@ -566,7 +566,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         # the new routing defaults.
         written = self.recall_head._save_folder(save_directory, oda_config=self.oda_config, **kwargs)
         if push is not None:
-            push_published(self, save_directory, written, **push)
+            push_published(save_directory, written, **push)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the head, its generated model card and the routing defaults (never the base weights)."""

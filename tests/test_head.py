@@ -1,7 +1,9 @@
 """RecallHead: exact architecture, FP32, bit-exact save/load, model card, base compatibility, NaN fallback."""
 
+import hashlib
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -122,19 +124,41 @@ def test_threshold_controls_the_rate():
 
 
 class FakeHubApi:
-    """Stands in for huggingface_hub.HfApi: records the repos made and what push_to_hub would upload."""
+    """Stands in for huggingface_hub.HfApi: records the repos made and what push_to_hub uploads (`uploaded`: the last
+    commit's files) and deletes; `files`: what one repo holds after the commits (files of an older save included)."""
 
-    def __init__(self):
-        self.repos, self.uploaded = [], {}
+    def __init__(self, files: dict | None = None):
+        self.repos, self.uploaded, self.deleted, self.files = [], {}, [], dict(files or {})
 
     def create_repo(self, repo_id, **kwargs):
         self.repos.append(repo_id)
         return type("Repo", (), {"repo_id": repo_id})()
 
+    def list_repo_tree(self, repo_id, revision=None, token=None):
+        from huggingface_hub.hf_api import RepoFile
+
+        return [RepoFile(path=name, size=len(data), oid="0",
+                         lfs={"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 0}
+                         if name.endswith(".safetensors") else None)
+                for name, data in self.files.items()]
+
+    def hf_hub_download(self, repo_id, filename, revision=None, token=None):
+        path = os.path.join(tempfile.mkdtemp(), filename)
+        with open(path, "wb") as f:
+            f.write(self.files[filename])
+        return path
+
     def create_commit(self, repo_id, operations, **kwargs):
+        from huggingface_hub import CommitOperationDelete
+
+        self.uploaded = {}
         for op in operations:
+            if isinstance(op, CommitOperationDelete):
+                self.deleted.append(op.path_in_repo)
+                self.files.pop(op.path_in_repo)
+                continue
             with open(op.path_or_fileobj, "rb") as f:
-                self.uploaded[op.path_in_repo] = f.read()
+                self.uploaded[op.path_in_repo] = self.files[op.path_in_repo] = f.read()
         return type("Commit", (), {"commit_url": f"https://hub.invalid/{repo_id}"})()
 
 

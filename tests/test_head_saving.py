@@ -148,6 +148,43 @@ def test_save_pretrained_with_push_to_hub_uploads_the_saved_folder(base, tmp_pat
     assert fake.repos[-1] == "me/other"
 
 
+def calibrated_repo(base, tmp_path, seed=0) -> dict:
+    """The files of a hub repo holding a calibrated head of `new_head(base, seed)` and a stale shard of a sharded save."""
+    folder = tmp_path / f"calibrated-{seed}"
+    OdaForCausalLM(base, new_head(base, seed), OdaConfig(sinks=2, window=4)).save_pretrained(folder)
+    calibrate(folder)
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    files["model-00001-of-00002.safetensors"] = b"an older sharded save"
+    return files
+
+
+def test_push_to_hub_clears_an_older_calibration_of_other_weights(base, tmp_path, monkeypatch, caplog):
+    """Over a repo holding a calibrated head of other weights, a push deletes calibration.json and the stale weight
+    files, and resets the threshold of the repo's oda_config.json (a load by id would otherwise route the new weights
+    with the old ones' threshold); the same weights pushed again keep their calibration."""
+    import transformers.utils.hub as hub
+
+    fake = FakeHubApi(calibrated_repo(base, tmp_path))
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    with caplog.at_level("WARNING"):
+        new_head(base, 1).push_to_hub("me/head")
+    assert sorted(fake.deleted) == [CALIBRATION_NAME, "model-00001-of-00002.safetensors"]
+    assert json.loads(fake.files[ODA_CONFIG_NAME]) == {"sinks": 2, "window": 4, "threshold": 0.0, "policy": "head"}
+    assert "held a calibration of other weights" in caplog.text
+
+    fake = FakeHubApi(calibrated_repo(base, tmp_path))  # the calibrated weights themselves, pushed again
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    new_head(base, 0).push_to_hub("me/head")
+    assert fake.deleted == ["model-00001-of-00002.safetensors"] and CALIBRATION_NAME in fake.files
+    assert json.loads(fake.files[ODA_CONFIG_NAME])["threshold"] == 0.425
+
+    fake = FakeHubApi(calibrated_repo(base, tmp_path))  # a wrapper uploads its own routing: the caller's threshold
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    OdaForCausalLM(base, new_head(base, 1), OdaConfig(sinks=2, window=4, threshold=0.3)).save_pretrained(
+        tmp_path / "mine", push_to_hub=True, repo_id="me/head")
+    assert CALIBRATION_NAME not in fake.files and json.loads(fake.files[ODA_CONFIG_NAME])["threshold"] == 0.3
+
+
 # -- 6. head=<RecallHead object> warns about the folder's threshold it does not apply ----------------------------------
 def test_head_object_from_a_folder_with_a_threshold_warns(base, tmp_path, caplog):
     folder = tmp_path / "head"

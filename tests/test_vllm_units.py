@@ -23,7 +23,7 @@ DEFAULT = RequestRouting(policy="head", threshold=0.2)
 @pytest.mark.parametrize("extra,expected", [
     (None, RequestRouting("head", 0.2)),
     ({"oda_policy": "full"}, RequestRouting("full", 0.2)),
-    ({"oda_policy": "local", "oda_threshold": 1}, RequestRouting("local", 1.0)),
+    ({"oda_policy": "local"}, RequestRouting("local", 0.2)),
     ({"oda_threshold": "0.5"}, RequestRouting("head", 0.5)),
     ({"oda_policy": "random:0.25"}, RequestRouting("random", 0.2, p=0.25, seed=42)),
     ({"oda_policy": "random:1:7"}, RequestRouting("random", 0.2, p=1.0, seed=7)),
@@ -47,6 +47,8 @@ def test_request_knobs(extra, expected):
     ({"oda_policy": 5}, "must be a string"),
     ({"oda_policy": "budget:1.5"}, ">= 0 and <= 1"),
     ({"oda_policy": "budget:0.25:0.5", "oda_threshold": 1}, "give two thresholds"),   # the budget's once won unseen
+    ({"oda_policy": "local", "oda_threshold": 1}, "oda_threshold 1 is the recall head's.*drop oda_threshold"),
+    ({"oda_policy": "random:0.5", "oda_threshold": "0.3"}, "does not ask the head"),   # once accepted, never read
     ({"oda_threshold": "nan"}, "finite"),
     ({"oda_threshold": "high"}, "must be a number"),
     ({"oda_threshold": True}, "must be a finite number"),

@@ -106,6 +106,10 @@ def request_routing(extra_args: dict | None, default: RequestRouting,
     routing = parse_policy(extra_args[POLICY_KEY],
                            asked if asked is not None else default.threshold if default_threshold is None
                            else default_threshold)
+    if asked is not None and routing.policy not in ("head", "budget"):   # served, the knob would go unread
+        raise ValueError(f"{THRESHOLD_KEY} {asked:g} is the recall head's threshold, but {POLICY_KEY} "
+                         f"{extra_args[POLICY_KEY]!r} does not ask the head: drop {THRESHOLD_KEY}, or ask for "
+                         "'head' or 'budget:RATE'.")
     if asked is not None and routing.threshold != asked:   # the budget's own threshold would win, unseen
         raise ValueError(f"{POLICY_KEY} {extra_args[POLICY_KEY]!r} and {THRESHOLD_KEY} {asked} give two thresholds: "
                          f"give it once ({THRESHOLD_KEY} with 'budget:RATE', or 'budget:RATE:T' alone).")
