@@ -88,12 +88,16 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
         delete.append(CALIBRATION_NAME)
         if ODA_CONFIG_NAME in on_hub and ODA_CONFIG_NAME not in names:
             saved = api.hf_hub_download(repo_id, ODA_CONFIG_NAME, revision=revision, token=token)
-            path = os.path.join(scratch, ODA_CONFIG_NAME)
-            config = OdaConfig.from_kwargs(OdaConfig.from_json_file(saved), threshold=OdaConfig().threshold)
-            config.save_pretrained(scratch)
-            replace[ODA_CONFIG_NAME] = path
+            try:
+                config = OdaConfig.from_kwargs(OdaConfig.from_json_file(saved), threshold=OdaConfig().threshold)
+            except (OSError, ValueError):   # unreadable: gone rather than left with the old threshold
+                delete.append(ODA_CONFIG_NAME)
+            else:
+                config.save_pretrained(scratch)
+                replace[ODA_CONFIG_NAME] = os.path.join(scratch, ODA_CONFIG_NAME)
         logger.warning(f"{repo_id} held a calibration of other weights: {CALIBRATION_NAME} is deleted with this upload"
-                       + (f" and {ODA_CONFIG_NAME}'s threshold goes back to the default" if replace else "")
+                       + (f" and {ODA_CONFIG_NAME}'s threshold goes back to the default" if replace
+                          else f" with its unreadable {ODA_CONFIG_NAME}" if ODA_CONFIG_NAME in delete else "")
                        + "; run `oda calibrate` on the new weights and upload its result.")
     return sorted(delete), replace
 

@@ -178,6 +178,11 @@ def test_push_to_hub_clears_an_older_calibration_of_other_weights(base, tmp_path
     assert fake.deleted == ["model-00001-of-00002.safetensors"] and CALIBRATION_NAME in fake.files
     assert json.loads(fake.files[ODA_CONFIG_NAME])["threshold"] == 0.425
 
+    fake = FakeHubApi({**calibrated_repo(base, tmp_path), ODA_CONFIG_NAME: b"{not json"})
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    new_head(base, 1).push_to_hub("me/head")   # an unreadable oda_config.json goes rather than keep a threshold
+    assert ODA_CONFIG_NAME in fake.deleted and ODA_CONFIG_NAME not in fake.files
+
     fake = FakeHubApi(calibrated_repo(base, tmp_path))  # a wrapper uploads its own routing: the caller's threshold
     monkeypatch.setattr(hub, "hf_api", lambda: fake)
     OdaForCausalLM(base, new_head(base, 1), OdaConfig(sinks=2, window=4, threshold=0.3)).save_pretrained(
