@@ -598,6 +598,40 @@ def test_resuming_on_another_cache_is_refused(setup, tmp_path):
     _assert_one_line_error(code, err, "cache_rows_sha256", "train-head")
 
 
+def test_resuming_on_hidden_states_of_another_dtype_is_refused(setup, tmp_path):
+    """The head would go on from supervision of other hidden states (the backbone's --dtype, or a cache stored in
+    another one), with oda_training.json claiming one run; a checkpoint of an older oda_hf, which recorded neither,
+    still resumes."""
+    out = _copy_out(setup, tmp_path)
+    code, err = _oda(_train(setup, out) + ["--max-steps", "3", "--resume", "--dtype", "bfloat16"])
+    _assert_one_line_error(code, err, "base_dtype: 'float32' in the checkpoint, 'bfloat16' now", "train-head")
+
+    def older(folder):
+        for path in folder.glob("**/oda_training.json"):
+            saved = json.loads(path.read_text())
+            for key in ("base_fingerprint", "base_dtype"):
+                del saved["settings"][key]
+            path.write_text(json.dumps(saved))
+
+    code, err = _oda(_train(setup, _copy_out(setup, tmp_path / "older", older)) + ["--max-steps", "3", "--resume"])
+    assert code == 0, err
+
+    def from_cache(cache, out):
+        argv = _train(setup, out)
+        argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
+        for flag in ("--sinks", "--window", "--seq-len"):
+            del argv[argv.index(flag):argv.index(flag) + 2]
+        return argv
+
+    for dtype in ("float32", "bfloat16"):
+        code, err = _oda(_cache(setup, tmp_path / dtype, "--storage-dtype", dtype))
+        assert code == 0, err
+    code, err = _oda(from_cache(tmp_path / "float32", tmp_path / "head") + ["--max-steps", "1"])
+    assert code == 0, err
+    code, err = _oda(from_cache(tmp_path / "bfloat16", tmp_path / "head") + ["--max-steps", "2", "--resume"])
+    _assert_one_line_error(code, err, "cache_dtypes: ['float32'] in the checkpoint, ['bfloat16'] now", "train-head")
+
+
 def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):
     from oda_hf import OdaConfig
 

@@ -457,7 +457,8 @@ class OdaCacheTrainer(OdaTrainer):
         # Which rows the head learns from: resuming on other caches (other documents or --seq-len) is another run.
         caches = getattr(self.cache, "caches", [self.cache])
         kwargs.setdefault("supervision_settings", {"seq_len": self.cache.manifest.get("seq_len"),
-                                                   "cache_rows_sha256": [c.manifest["data_sha256"] for c in caches]})
+                                                   "cache_rows_sha256": [c.manifest["data_sha256"] for c in caches],
+                                                   "cache_dtypes": [c.manifest["dtype"] for c in caches]})
         super().__init__(model=model, args=args, **kwargs)
 
     def count_eligible(self, batch: dict) -> int:

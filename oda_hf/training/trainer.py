@@ -179,11 +179,16 @@ def last_complete_checkpoint(folder: str, clean: bool = True) -> str | None:
     return None
 
 
+#: Supervision settings recorded since a later oda_hf: compared only where a checkpoint records them.
+RECORDED_SINCE = ("base_fingerprint", "base_dtype", "cache_dtypes")
+
+
 def _differences(saved: dict, current: dict) -> list[str]:
     if saved.get("base_model"):  # checkpoints written before bases were recorded by short name hold the path
         saved = {**saved, "base_model": short_name_of(saved["base_model"]) or saved["base_model"]}
     return [f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
-            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)
+            and (key in saved or key not in RECORDED_SINCE)]
 
 
 class HeadTrainingModule(nn.Module):
@@ -276,9 +281,13 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
+        from .supervision_cache import base_fingerprint
+
         base_path = getattr(model.config, "_name_or_path", None) or None
         self.supervision_settings = {
             "base_model": short_name_of(base_path) or base_path,  # a fetched base by its short name, not this machine's path
+            # the weights and the dtype the hidden states come from (a path, or a name, says neither)
+            "base_fingerprint": base_fingerprint(model), "base_dtype": str(model.dtype).removeprefix("torch."),
             "sinks": self.oda_sinks, "window": self.oda_window, "oda_lambda": args.oda_lambda,
             "tau_hist": args.oda_tau_hist, "loss_reduction": args.oda_loss_reduction, **(supervision_settings or {}),
         }
