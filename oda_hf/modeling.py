@@ -68,6 +68,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._generate_call_starting = False  # the next forward is the first of a generate() call
         self._request_prefilled = False  # the current request's first output came from a prefill
         self._beam_generation = False  # the current generate() call runs beam search: outputs are not cache rows
+        self._prefilling = False  # generate()'s prefill is running (`_prefill`), maybe in chunks
+        self._prefilled_chunk = False  # ... and an earlier chunk of it was prefilled: the next are prompt too
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
             raise ValueError(
@@ -378,7 +380,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         cache = past_key_values
         self._check_cache_geometry(cache)
         batch_size, num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        prefill = cache.get_seq_length() == 0 or num_tokens > 1
+        prefill = cache.get_seq_length() == 0 or num_tokens > 1 or self._prefilled_chunk
+        self._prefilled_chunk = prefill and self._prefilling
         if cache.get_seq_length() == 0 or self._generate_call_starting:
             continuing = self._generate_call_starting and not prefill
             self._generate_call_starting = False
@@ -410,6 +413,15 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 cache.discard_pending()
                 raise
         return CausalLMOutputWithPast(logits=self.lm_logits(hidden), **cache_kwargs(cache))
+
+    def _prefill(self, *args, **kwargs):
+        """transformers' prefill of a generate() call. Chunked (``prefill_chunk_size``), its last chunk may be one
+        token: still prompt, prefilled with Full as the chunks before it, not a routed step."""
+        self._prefilling, self._prefilled_chunk = True, False
+        try:
+            return super()._prefill(*args, **kwargs)
+        finally:
+            self._prefilling = self._prefilled_chunk = False
 
     def _decoder_inputs(self, input_ids, inputs_embeds) -> dict:
         if input_ids is not None:

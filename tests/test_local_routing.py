@@ -10,10 +10,10 @@ from tiny_models import FAMILIES, left_padded_prompts, tiny_model
 TOL = 2e-5
 
 
-def run_and_compare(base, ids, mask, sinks, window, policy, max_new_tokens=14, head=None):
+def run_and_compare(base, ids, mask, sinks, window, policy, max_new_tokens=14, head=None, **generate_kwargs):
     model = OdaForCausalLM(base, head, OdaConfig(sinks=sinks, window=window, policy=policy))
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
     decisions = model.routing.decisions
     assert decisions.shape == (ids.shape[0], max_new_tokens - 1)  # prefill output is not a routed step
     ref = replay_logits(base, out.sequences, mask, decisions, sinks, window)
@@ -31,6 +31,19 @@ def run_and_compare(base, ids, mask, sinks, window, policy, max_new_tokens=14, h
 def test_routing_matches_masked_reference(family, policy):
     ids, mask = left_padded_prompts(2, 9, pads=[3, 0])
     run_and_compare(tiny_model(family), ids, mask, sinks=2, window=4, policy=policy)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+def test_chunked_prefill_prefills_every_prompt_token(chunk):
+    """generate(prefill_chunk_size=k): a last chunk of one prompt token (9 = 4 + 4 + 1, or k = 1) was decoded as a
+    routed Local step (one routed step too many, logits 0.38 off the reference); it is prompt, prefilled with Full."""
+    ids, mask = left_padded_prompts(2, 9, pads=[2, 0])
+    base = tiny_model("llama")
+    run_and_compare(base, ids, mask, sinks=1, window=2, policy="local", max_new_tokens=6, prefill_chunk_size=chunk)
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=1, window=2, policy="full"))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  prefill_chunk_size=chunk)
+    assert torch.equal(model.generate(**kwargs), base.generate(**kwargs)) and model.routing.routed_steps == 5
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
