@@ -335,6 +335,25 @@ def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):
             assert ours["tokens"] == tokens
 
 
+def test_a_preempted_request_never_resumes_from_another_requests_prompt_blocks(gqa3, tmp_path):
+    """vLLM resumes a preempted request through a prefix-cache lookup over its prompt and its output so far. B's prompt
+    is A's prompt and output (Full-prefilled blocks, legitimately cached); A served again beside B is preempted, and
+    resumed it found B's blocks in place of its own decode KV (written by Local steps) and replayed its routed steps
+    only past them (measured by the audit's repro: tokens off from output 105, logprobs 0.98 apart, exit 0). Now its
+    blocks past the prompt have hashes of its own, and it resumes as if never preempted."""
+    folder = os.path.dirname(gqa3["head"])
+    a_prompt = prompt(64, seed=41)
+    batches = [[request(a_prompt, 120, "schedule:1:2", logprobs=1)]]
+    batches.append([extension(["alone"], "alone", 0, a_prompt, prompt(4, seed=42), max_tokens=150, policy="full"),
+                    request(a_prompt, 120, "schedule:1:2", logprobs=1)])
+    alone, beside = run_vllm(tmp_path, "cross_hit", folder, batches, oda={"sinks": SINKS, "window": WINDOW},
+                             enable_prefix_caching=True, max_model_len=320, num_gpu_blocks_override=12, **EAGER)
+    reference, resumed = alone["outputs"][0], beside["outputs"][1]
+    assert resumed["routing"]["recomputed_tokens"] > 0, "A was not preempted: the test saw nothing"
+    assert resumed["tokens"] == reference["tokens"]
+    assert resumed["routing"]["decisions"] == reference["routing"]["decisions"]
+
+
 def test_speculative_decoding_is_refused_at_engine_start(tmp_path):
     """Measured before the check (ngram speculation, 2 draft tokens, policy local): of 20 tokens only 9 were routed;
     the verification steps ran as prompt chunks, with Full attention and no record. An engine built by hand (no

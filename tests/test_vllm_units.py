@@ -186,7 +186,9 @@ def test_admission_refuses_head_requests_to_a_headless_engine():
             check_request_admissible({"oda_policy": policy}, serves_head=False)
         check_request_admissible({"oda_policy": policy})
     check_request_admissible({"oda_policy": "local"}, serves_head=False)
-    check_request_admissible({"oda_threshold": 0.3}, serves_head=False)  # the engine's default policy applies
+    check_request_admissible({"oda_threshold": 0.3})
+    with pytest.raises(ValueError, match="oda_threshold is the recall head's threshold.*runs without a head"):
+        check_request_admissible({"oda_threshold": 0.3}, serves_head=False)  # accepted once, never read
     with pytest.raises(ValueError, match="oda_policy: unknown policy"):
         check_request_admissible({"oda_policy": "sometimes"}, serves_head=False)
 

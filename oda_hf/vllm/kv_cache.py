@@ -6,14 +6,21 @@ so the ODA model's attention layers declare `PromptOnlyFullAttentionSpec`, serve
 stock full-attention manager with caching capped at the request's prompt (blocks a Full prefill wrote). A hybrid's
 sliding-window layers (Gemma 3) are not restricted by Local, but the hidden states they read at a decode step come
 from the branch the step took, so their decode blocks are capped the same way (`PromptOnlySlidingWindowSpec`).
+Capping what is stored is not enough: vLLM looks a request up over all its tokens, and a preempted request resumes
+through that lookup with its prompt and its output so far. Another request whose prompt equals them would lend it
+the blocks of its own Full prefill in place of this request's decode KV, and the replay of its routed steps would
+start past them (measured: a preempted Schedule request's tokens off from output 105, exit 0). So the hashes of a
+request's blocks past its cacheable prefix are made its own (`_seal_decode_hashes`): a lookup never matches them.
 Importing this module registers the pairs with vLLM's KV-cache spec registry, in the worker (which builds the spec)
 and in the engine process (which unpickles it).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 
+from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -34,8 +41,41 @@ class PromptOnlySlidingWindowSpec(SlidingWindowSpec):
 class _PromptOnlyCaching:
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries):
         # Blocks past the prompt hold decode KV (Local or Full, per step): never hash them for reuse.
+        _seal_decode_hashes(request, self.block_pool.hash_block_size)
         super().cache_blocks(request, min(num_tokens, cacheable_tokens(request)), retention_interval,
                              replay_boundaries=replay_boundaries)
+
+
+def _seal_decode_hashes(request, hash_block_size: int) -> None:
+    """Make the hashes of `request`'s blocks that reach past its cacheable prefix (`cacheable_tokens`) its own: a
+    prefix-cache lookup of this request (its resumption after a preemption) then stops at its prompt. Runs before
+    each caching of its blocks (the first is before its first output); from then on each new hash is sealed as
+    vLLM appends it (`SealedBlockHashes`), so none is ever looked up unsealed."""
+    if not isinstance(request.block_hashes, SealedBlockHashes):
+        request.block_hashes = SealedBlockHashes(request.block_hashes, cacheable_tokens(request) // hash_block_size,
+                                                 f"oda-decode|{request.request_id}|".encode())
+
+
+class SealedBlockHashes(list):
+    """A request's block hashes whose entries from index `first` on (blocks holding a token past the prefix it may
+    share) are salted with `salt` (its id) as they are appended: no other request has them, so no lookup matches."""
+
+    def __init__(self, hashes, first: int, salt: bytes):
+        super().__init__(hashes)
+        self.first, self.salt = first, salt
+        self._seal_from(0)
+
+    def extend(self, new_hashes) -> None:   # how vLLM's Request appends the hashes of its new full blocks
+        start = len(self)
+        super().extend(new_hashes)
+        self._seal_from(start)
+
+    def append(self, new_hash) -> None:
+        self.extend([new_hash])
+
+    def _seal_from(self, start: int) -> None:
+        for index in range(max(start, self.first), len(self)):
+            self[index] = BlockHash(hashlib.sha256(self.salt + bytes(self[index])).digest())
 
 
 class PromptOnlyCachingManager(_PromptOnlyCaching, FullAttentionManager):

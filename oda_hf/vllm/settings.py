@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .requests import POLICY_KEY, RequestRouting, exact_text, parse_policy, request_routing
+from .requests import POLICY_KEY, THRESHOLD_KEY, RequestRouting, exact_text, parse_policy, request_routing
 
 # The admission check of an engine served without a recall head (its config hook adds it to the engine's logits
 # processors): vLLM gives a request validator nothing but the request, so each engine gets the check it needs.
@@ -97,6 +97,9 @@ def check_request_admissible(extra_args: dict | None, serves_head: bool = True) 
     if extra_args.get(POLICY_KEY) is not None and routing.policy in ("head", "budget") and not serves_head:
         raise ValueError(f"{POLICY_KEY} {routing.policy!r} needs the recall head, and this server runs without one: "
                          "ask for full, local, random:P or schedule:K:PERIOD, or serve with a head (head=...).")
+    if extra_args.get(THRESHOLD_KEY) is not None and not serves_head:   # served, the knob would go unread
+        raise ValueError(f"{THRESHOLD_KEY} is the recall head's threshold, and this server runs without a head, so "
+                         f"no policy reads it: drop {THRESHOLD_KEY}, or serve with a head (head=...).")
 
 
 # The keys of the served model's ``oda`` override (`ServingSettings.to_override`).
