@@ -91,6 +91,9 @@ CLI_ROWS = [
     ("seq-len below s + w + 2", _good, {"--seq-len": "6"}, None, UsageError,
      "--seq-len 6 is shorter than s + w + 2 = 7 tokens"),
     ("every document short", _short, {}, None, UsageError, "every document is shorter than s + w + 2 = 7 tokens"),
+    ("positions past the context", lambda root, tmp: _documents(tmp / "long.jsonl", [600]), {"--seq-len": "1000"},
+     None, UsageError, "--seq-len: packed rows hold pieces of documents up to 600 tokens long, past the base model's "
+     "context of 512 tokens"),   # trained on once, with exit 0
     ("resume without checkpoint", _good, {"--resume": None}, None, UsageError, "no complete checkpoint-* folder"),
     ("resume, only checkpoint incomplete", _good, {"--resume": None},
      lambda root, tmp: _copy_run(root, tmp, drop=["model.safetensors"]), UsageError, "no complete checkpoint-* folder"),

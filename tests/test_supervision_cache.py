@@ -193,6 +193,12 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     assert run.func(run) == 0
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "head"))
     assert model.oda_config.window == 3 and model.oda_config.sinks == 2 and model.recall_head.config.tau_hist == 0.001
+    long_data = tmp_path / "long.jsonl"   # positions past the base's 512 once cached with exit 0
+    long_data.write_text(json.dumps({"input_ids": torch.randint(1, VOCAB, (600,), generator=g).tolist()}) + "\n")
+    with pytest.raises(UsageError, match="--seq-len: .* up to 600 tokens long, past the base model's context of 512"):
+        run = parser.parse_args(_replace_flags(cache_cmd, {"--data": str(long_data), "--seq-len": "1000",
+                                                           "--output": str(tmp_path / "long")}))
+        run.func(run)
     with pytest.raises(UsageError, match="--window 5.*cache.*3"):
         run = parser.parse_args(train + ["--window", "5"])
         run.func(run)
@@ -255,3 +261,10 @@ def test_a_resumed_run_whose_remaining_updates_lack_supervision_finishes(tmp_pat
     assert trainer.state.global_step == 3 and trainer.skipped_updates == 1 and trainer.applied_updates == 0
     for name, value in whole.recall_head.state_dict().items():
         assert torch.equal(resumed.recall_head.state_dict()[name], value), name
+
+
+def _replace_flags(argv: list, values: dict) -> list:
+    argv = list(argv)
+    for flag, value in values.items():
+        argv[argv.index(flag) + 1] = value
+    return argv

@@ -9,8 +9,8 @@ import argparse
 import sys
 import time
 
-from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, thread_count, require_paths, torch_dtype,
-                          user_input)
+from ..cli_common import (UsageError, context_limit, data_tokenizer, dtype_name, require_model_source, require_paths,
+                          thread_count, torch_dtype, user_input)
 from ..known_models import base_argument
 from ..validation import MAX_SPAN, argument, integer, number
 from .cli import _needs_datasets, check_output_folder, path_argument
@@ -54,7 +54,7 @@ def run_cli(args) -> int:
 
     from ..config import OdaConfig
     from ..modeling import OdaForCausalLM
-    from .data import check_token_ids, min_document_length, pack_documents, read_documents
+    from .data import check_positions, check_token_ids, min_document_length, pack_documents, read_documents
     from .supervision_cache import cache_supervision
 
     check_output_folder("--output", args.output)
@@ -83,6 +83,8 @@ def run_cli(args) -> int:
                                                     attn_implementation="sdpa")
     with user_input("--data", "tokenize it with --base's tokenizer"):
         check_token_ids(rows, base.config.get_text_config(decoder=True).vocab_size)
+    with user_input("--seq-len", "or give shorter documents"):
+        check_positions(rows, context_limit(base.config))
     model = OdaForCausalLM(base, None, OdaConfig(sinks=args.sinks, window=args.window, policy="local"))
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
         base.config.get_text_config(decoder=True).pad_token_id

@@ -19,8 +19,8 @@ import argparse
 import contextlib
 import sys
 
-from ..cli_common import (UsageError, data_tokenizer, dtype_name, require_model_source, thread_count, require_paths, torch_dtype,
-                          user_input)
+from ..cli_common import (UsageError, context_limit, data_tokenizer, dtype_name, require_model_source, require_paths,
+                          thread_count, torch_dtype, user_input)
 from ..known_models import base_argument
 from ..validation import MAX_SPAN, argument, integer, number
 
@@ -104,8 +104,8 @@ def run_cli(args) -> int:
     from ..files import output_lock
     from ..head import RecallHead, RecallHeadConfig
     from ..modeling import OdaForCausalLM
-    from .data import (OdaDataCollator, PackedDataset, check_token_ids, min_document_length, pack_documents,
-                       read_documents)
+    from .data import (OdaDataCollator, PackedDataset, check_positions, check_token_ids, min_document_length,
+                       pack_documents, read_documents)
     from .trainer import OdaTrainer, OdaTrainingArguments, last_complete_checkpoint
 
     check_output_folder("--output", args.output)
@@ -165,6 +165,8 @@ def run_cli(args) -> int:
         if rows is not None:
             with user_input("--data", "tokenize it with --base's tokenizer"):
                 check_token_ids(rows, base.config.get_text_config(decoder=True).vocab_size)
+            with user_input("--seq-len", "or give shorter documents"):
+                check_positions(rows, context_limit(base.config))
         if checkpoint is not None:
             with user_input(f"--resume: {checkpoint}", "start a new --output, or delete that checkpoint"):
                 head = RecallHead.from_pretrained(checkpoint)  # its config (width, variant); weights reload on resume
