@@ -69,6 +69,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._request_prefilled = False  # the current request's first output came from a prefill
         self._beam_generation = False  # the current generate() call runs beam search: outputs are not cache rows
         self._prefilling = False  # generate()'s prefill is running (`_prefill`), maybe in chunks
+        self._call_eos_token_id = _NOT_SEEN  # the EOS of the running generate() call's merged generation config
         self._prefilled_chunk = False  # ... and an earlier chunk of it was prefilled: the next are prompt too
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
@@ -298,6 +299,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError(f"generate({key}=...) is not supported by ODA (it needs cache cropping/re-runs).")
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
         self._generate_call_starting, self._beam_generation = True, False
+        self._call_eos_token_id = _NOT_SEEN
         try:
             output = super().generate(*args, **kwargs)
         finally:
@@ -309,13 +311,16 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         # Every criterion of the call (EOS, stop strings, max length, the user's), after transformers has merged the
         # user's with its own, tells ODA when each row stopped: its later steps are padding, not routed steps.
         criteria = super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer, **kwargs)
+        self._call_eos_token_id = generation_config.eos_token_id   # the call's, however it was passed
         return StoppingCriteriaList([_RecordFinishedRows(criterion, self) for criterion in criteria])
 
     def _mark_eos_rows(self, output, kwargs) -> None:
         """Rows that emitted EOS stop counting routed steps after it (their later tokens are padding)."""
         sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
+        eos = self._call_eos_token_id   # merged by transformers from the call's config (keyword or positional)
+        if eos is _NOT_SEEN:
+            generation_config = kwargs.get("generation_config") or self.generation_config
+            eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
         if self._beam_generation or sequences is None or eos is None or sequences.shape[0] != self.routing.batch_size:
             # beam search returns hypotheses, not cache rows (also when as many as the beams): routing rows stay per
             # beam slot
@@ -585,6 +590,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         from .hub import push_saved_to_hub
 
         return push_saved_to_hub(self, repo_id, **kwargs)
+
+
+_NOT_SEEN = object()   # `_call_eos_token_id` before transformers built the call's stopping criteria
 
 
 def _check_prompt_not_empty(input_ids) -> None:

@@ -159,6 +159,10 @@ def test_rows_after_the_generation_configs_eos_are_not_routed_steps():
                                                                                           pad_token_id=0))):
         call()
         assert model.routing.steps_per_row.tolist() == first
+    # The call's own EOS, passed positionally, wins over the model's: the model's was taken, and the rows counted
+    # as stopped at a token that did not stop them.
+    model.generate(ids, GenerationConfig(max_new_tokens=10, pad_token_id=0, eos_token_id=97 + 5))
+    assert model.routing.steps_per_row.tolist() == [9, 9]
 
 
 def test_manual_decode_loop_with_forward():
