@@ -242,6 +242,7 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         # generate() continues after the pad columns: another output than the Full one promised.
         raise ValueError("Exact mode supports left padding only: the last column must be a real token in every row "
                          "(pad on the left, e.g. tokenizer.padding_side='left').")
+    _check_no_interior_holes_under_sliding_windows(model, request.attention_mask)
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
     batch = request.input_ids.shape[0]
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
@@ -383,6 +384,26 @@ class EngineDrafts:
     def keep(self, tokens: list[int], start: int, keep: int, hidden: torch.Tensor) -> int:
         self.engine.keep_verified(start + keep, hidden[keep - 1])
         return 0
+
+
+def _check_no_interior_holes_under_sliding_windows(model, attention_mask) -> None:
+    """Rows are decoded without their masked columns. A sliding-window layer's window counts columns, masked ones
+    included, in stock generate(): without them it would reach further back, and the output would not be Full's
+    (measured on Gemma 3 with two masked columns inside a prompt: every token differed, exit 0)."""
+    text_config = model.config.get_text_config(decoder=True)
+    sliding = getattr(text_config, "sliding_window", None) is not None and (
+        "sliding_attention" in (getattr(text_config, "layer_types", None) or ())
+        or getattr(text_config, "use_sliding_window", True) is not False)
+    if not sliding:
+        return
+    real = attention_mask.bool()
+    first = real.int().argmax(dim=1)
+    after_first = torch.arange(real.shape[1], device=real.device)[None, :] >= first[:, None]
+    holed = (after_first & ~real).any(dim=1).nonzero().flatten().tolist()
+    if holed:
+        raise ValueError(f"Exact mode on a model with sliding-window layers supports left padding only: rows {holed} "
+                         "have masked columns inside their prompt, which a sliding window counts and exact mode's "
+                         "unpadded decoding would not. Remove those columns from the prompt, or use approximate mode.")
 
 
 def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,

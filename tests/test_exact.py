@@ -336,6 +336,21 @@ def test_exact_refuses_right_padding(oda_fast):
                                                  pad_token_id=0))
 
 
+def test_exact_refuses_masked_prompt_columns_under_sliding_windows():
+    """Found by an audit: rows are decoded without their masked columns, which stock generate()'s sliding windows
+    count (Gemma 3: every token differed from Full's, exit 0). Left padding stays exact."""
+    model = exact_model("gemma3")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    holed = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"sliding-window layers supports left padding only: rows \[0\]"):
+        model.generate(ids, attention_mask=holed, oda_mode="exact", **kwargs)
+    padded = torch.tensor([[0, 0, 0] + [1] * 9])
+    ids = ids.masked_fill(padded == 0, 0)
+    assert torch.equal(model.generate(ids, attention_mask=padded, oda_mode="exact", **kwargs),
+                       model.base_model.generate(ids, attention_mask=padded, **kwargs))
+
+
 def test_the_fast_path_refuses_token_healing():
     from oda_hf.engine.support import FastPathUnsupported
 
