@@ -84,6 +84,9 @@ class OdaGlobalLayer(CacheLayerMixin):
         self.seq_length = 0
         self.ws_keys = self.ws_values = None
         self.valid_count: torch.Tensor | None = None  # long, on CPU: ring addressing is host bookkeeping
+        # some row's history has masked columns after its first real one (as of the last rebuild): `crop` cannot
+        # re-derive the workspace from `valid_count` alone
+        self.interior_holes = False
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- storage ---------------------------------------------------------------------------------
@@ -180,9 +183,11 @@ class OdaGlobalLayer(CacheLayerMixin):
         self.ws_keys.zero_()
         self.ws_values.zero_()
         valid_columns = valid_columns.cpu()
+        self.interior_holes = False
         for row in range(valid_columns.shape[0]):
             columns = valid_columns[row].nonzero().flatten()
             count = columns.numel()
+            self.interior_holes |= count > 0 and int(columns[0]) != valid_columns.shape[1] - count
             positions = torch.arange(count)
             keep = self._workspace_keeps(positions, count)
             slots = self._workspace_slots(positions[keep]).to(self.device)
@@ -271,6 +276,10 @@ class OdaGlobalLayer(CacheLayerMixin):
             return
         if removed > int(self.valid_count.min()):
             raise ValueError(f"crop({max_length}) would remove {removed} positions, more than a row holds.")
+        if self.interior_holes:   # the workspace would be re-derived from other columns than the row's own
+            raise ValueError("crop() needs every row's history to be its last columns (left padding), but a row of "
+                             "this cache has masked columns inside its history (attention_mask zeros after its first "
+                             "real token). Generate again from the shorter prompt instead.")
         self.seq_length = max_length
         self.valid_count -= removed
         self.sync_workspace()

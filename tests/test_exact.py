@@ -177,6 +177,20 @@ def test_crop_restores_the_local_workspace_of_the_shorter_history():
             assert torch.equal(got[visible], want[visible])
 
 
+def test_crop_refuses_a_history_with_masked_interior_columns():
+    """Found by an audit: crop re-derives the workspace from each row's last `valid_count` columns, which for a row
+    with masked columns inside its history are other columns (the next Local step's logits were 0.21 off, exit 0)."""
+    model = exact_model("qwen3")
+    model.set_routing(policy="local")
+    ids = torch.randint(3, 90, (2, 27), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:8] = 0
+    cache = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    with pytest.raises(ValueError, match="crop\\(\\) needs every row's history to be its last columns"):
+        cache.crop(-5)
+
+
 def test_hybrid_recurrent_state_cannot_crop_but_rolls_back():
     model = exact_model("qwen3_5")
     cache = model.new_cache()
