@@ -164,6 +164,8 @@ def test_eval_policies_whose_names_collide_are_refused():
 
     assert [s.name for s in build_policies(["oda", "random", "oda"], [0.1, 0.1], [42, 42])] == \
         ["oda@0.1", "random~oda@0.1/seed42"]
+    assert [s.name for s in build_policies(["oda", "random:-0"], [0.0, -0.0], [42])] == \
+        ["oda@0", "random@p0/seed42"]   # -0 named itself "oda@-0" and ran a second time
     with pytest.raises(UsageError, match=r"'oda@0.1' \(threshold 0.1 and 0.1000001\)"):
         build_policies(["oda"], [0.1, 0.1000001], [42])
     with pytest.raises(UsageError, match=r"'random@p0.25/seed42' \(p 0.25 and 0.2500001\)"):

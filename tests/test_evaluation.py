@@ -1080,3 +1080,12 @@ def test_cli_eval_budget_policy_holds_per_request(tmp_path):
     bad = parser.parse_args.__self__  # the parser itself: budget:R is checked at parse time
     with pytest.raises(SystemExit):
         bad.parse_args(["eval", "--base", "x", "--data", "y", "--out", "z", "--policies", "budget:1.5"])
+
+
+def test_trajectory_file_stems_of_ids_that_print_alike_differ():
+    """`qa/1` and `qa_1` both read as `qa_1`: `oda eval --trajectories` gives the second a hashed name, or it would
+    have overwritten the first one's files."""
+    from oda_hf.evaluation.trajectory import file_stem
+
+    assert file_stem("qa/1") == file_stem("qa_1") == "qa_1"   # RULER-style ids keep readable names
+    assert file_stem("qa_1", hashed=True) not in ("qa_1", file_stem("qa/1", hashed=True))

@@ -156,6 +156,8 @@ BAD = [
     ("eval-primary-not-run", EVAL + GOOD + ODA + ["--primary-threshold", "0.7"],
      "--primary-threshold 0.7 is not among the ODA thresholds of this run (0)"),
     ("eval-primary-without-oda", EVAL + GOOD + ["--primary-threshold", "0"], "--policies runs no ODA"),
+    ("eval-primary-budget-only", EVAL + GOOD + ["--policies", "budget:0.25", "--primary-threshold", "0"],
+     "--policies runs no ODA"),   # refused only after generating every record
     ("eval-sweep-and-thresholds", EVAL + GOOD + ["--paper-sweep", "--thresholds", "0"], "drop --thresholds"),
     ("eval-trajectories-without-oda", EVAL + GOOD + ["--trajectories", "1"], "--trajectories renders ODA runs"),
     ("eval-out-is-a-file", EVAL + GOOD + ["--out", "{root}/afile"], "--out {root}/afile is a file"),

@@ -184,6 +184,7 @@ def build_policies(words, thresholds, seeds) -> list:
     from . import runner
 
     specs = []
+    thresholds = [t + 0.0 for t in thresholds]   # -0 is 0 (named "oda@-0", it would run twice)
     for word in words:
         kind, _, rest = word.partition(":")
         if kind == "full":
@@ -196,7 +197,7 @@ def build_policies(words, thresholds, seeds) -> list:
             specs += [runner.random_matched(t, s) for t in thresholds for s in seeds]
         elif kind == "random":
             try:
-                specs += [runner.random_fixed(float(rest), s) for s in seeds]
+                specs += [runner.random_fixed(float(rest) + 0.0, s) for s in seeds]
             except ValueError as err:
                 raise UsageError(f"bad policy {word!r}: {err} (use random:P with 0 <= P <= 1)") from err
         elif kind == "budget":  # the head at each ODA threshold of the run, under a Full-call budget that holds
@@ -229,7 +230,7 @@ def _primary_threshold(args, thresholds: list[float] | None) -> float | None:
     `thresholds` None: this run has no ODA policy."""
     if args.primary_threshold is None:
         return None
-    if thresholds is None:
+    if thresholds is None or not any(word in ("oda", "random") for word in args.policies):   # (budget:R alone)
         raise UsageError(f"--primary-threshold {args.primary_threshold:g} picks the ODA threshold of the main table, "
                          "but --policies runs no ODA: add oda to --policies, or drop --primary-threshold.")
     if args.primary_threshold not in thresholds:
@@ -330,11 +331,15 @@ def _run_eval(args) -> int:
         folder = os.path.join(out, "trajectories")
         os.makedirs(folder, exist_ok=True)
         per_task: dict[str, int] = {}
+        owners: dict[str, str] = {}   # file stem -> the id written under it
         for record in records:
             if record["policy"] != name or per_task.get(record["task"], 0) >= args.trajectories:
                 continue
             per_task[record["task"]] = per_task.get(record["task"], 0) + 1
-            stem = os.path.join(folder, trajectory.file_stem(record["id"]))
+            stem = trajectory.file_stem(record["id"])
+            if owners.setdefault(stem, record["id"]) != record["id"]:   # "qa/1" wrote qa_1: "qa_1" must not
+                stem = trajectory.file_stem(record["id"], hashed=True)
+            stem = os.path.join(folder, stem)
             trajectory.render_record(record, tokenizer, html_path=stem + ".html",
                                      png_path=None if args.no_plots else stem + ".png")
         paths["trajectories"] = folder

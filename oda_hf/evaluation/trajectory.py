@@ -248,14 +248,15 @@ def render_record(record: dict, tokenizer, *, html_path: str | os.PathLike | Non
     return align(tokens, decisions, record.get("answers", ()), scores)
 
 
-def file_stem(example_id: str) -> str:
+def file_stem(example_id: str, hashed: bool = False) -> str:
     """A file name for an example id: characters other than letters, digits, ``.``, ``-`` and ``_`` become ``_``
     (a ``/``, a NUL or a leading ``.`` in an id must not reach the file system), at most 120 characters; an id that
-    had to change gets a short hash so that two ids never share a file."""
+    had to change otherwise, or any id when `hashed` (the caller's other id has the readable name: ``qa/1`` and
+    ``qa_1``), gets a short hash so that two ids never share a file."""
     import hashlib
     import re
 
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", example_id).lstrip(".") or "_"
-    if stem == example_id.replace("/", "_") and len(stem) <= 120:
+    if not hashed and stem == example_id.replace("/", "_") and len(stem) <= 120:
         return stem  # RULER-style ids ("cwe/4096/test/0") keep their readable names
     return f"{stem[:100]}-{hashlib.sha256(example_id.encode()).hexdigest()[:12]}"
