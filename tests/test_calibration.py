@@ -71,6 +71,15 @@ def test_target_rate_is_the_closest_dev_rate_not_above_it_and_is_saved_with_the_
     with pytest.raises(ValueError, match="other inputs"):
         calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID,
                               provenance={"dev_sha256": "b"}, progress=False)
+    # The dev records do not depend on the test prompts nor the dev file's name: a rerun that adds test prompts
+    # (once refused, losing the dev work) or renames the file resumes; other test prompts than the first run's do not.
+    with mock.patch.object(runner, "generate_record", side_effect=AssertionError("regenerated")):
+        calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID, refine_steps=3,
+                              test_examples=test, provenance={"dev_sha256": "a", "dev_data": "renamed.jsonl",
+                                                              "test_sha256": "t"}, progress=False)
+    with pytest.raises(ValueError, match=r"other inputs \(\['test_sha256'\] differ"):
+        calibration.calibrate(model, None, dev, tmp_path / "out", target_rate=0.5, grid=GRID,
+                              provenance={"dev_sha256": "a", "test_sha256": "u"}, progress=False)
 
 
 def test_within_full_rule_and_bad_requests(tmp_path):

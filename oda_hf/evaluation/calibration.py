@@ -171,11 +171,21 @@ def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> None:
         if not isinstance(before, dict):
             raise ValueError(f"{path} is not a calibration inputs file (a JSON object): delete it or use a new "
                              "output folder.")
-        differing = [k for k in set(before) | set(provenance) if before.get(k) != provenance.get(k)]
+        # What made the records: the dev prompts' content (not their file's name) and the routing; the test
+        # prompts only where both runs name some (a run that adds --test-data keeps its dev records).
+        differing = [k for k in DEV_RECORD_KEYS if before.get(k) != provenance.get(k)]
+        differing += [k for k in TEST_RECORD_KEYS if before.get(k) is not None and provenance.get(k) is not None
+                      and before[k] != provenance[k]]
         if differing:
             raise ValueError(f"{output_dir} holds calibration records made with other inputs ({sorted(differing)} "
                              "differ): use a new output folder.")
+        provenance = {**before, **provenance}
     write_json(path, provenance, indent=1)
+
+
+#: The calibration inputs that determine the dev records, and the test records.
+DEV_RECORD_KEYS = ("dev_sha256", "sinks", "window", "chat_template")
+TEST_RECORD_KEYS = ("test_sha256",)
 
 
 def save_calibration(head_dir: str | os.PathLike, oda_config, result: dict) -> str:
