@@ -578,23 +578,25 @@ def test_resuming_with_another_learning_rate_is_refused(setup, tmp_path):
     _assert_one_line_error(code, err, "learning_rate: 0.0003 in the checkpoint, 0.05 now", "train-head")
 
 
-def test_resuming_on_another_cache_is_refused(setup, tmp_path):
-    def from_cache(cache, out):
-        argv = _train(setup, out)
-        argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
-        for flag in ("--sinks", "--window", "--seq-len"):
-            del argv[argv.index(flag):argv.index(flag) + 2]
-        return argv
+def _from_cache(setup, cache, out):
+    """`_train`'s command over a supervision cache (which holds the sinks, window and rows)."""
+    argv = _train(setup, out)
+    argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
+    for flag in ("--sinks", "--window", "--seq-len"):
+        del argv[argv.index(flag):argv.index(flag) + 2]
+    return argv
 
+
+def test_resuming_on_another_cache_is_refused(setup, tmp_path):
     _write_documents(tmp_path / "other.jsonl", [22, 19, 27], seed=5)
     for name, data in (("a", setup / "data.jsonl"), ("b", tmp_path / "other.jsonl")):
         argv = _cache(setup, tmp_path / name)
         argv[argv.index("--data") + 1] = str(data)
         code, err = _oda(argv)
         assert code == 0, err
-    code, err = _oda(from_cache(tmp_path / "a", tmp_path / "head") + ["--max-steps", "1"])
+    code, err = _oda(_from_cache(setup, tmp_path / "a", tmp_path / "head") + ["--max-steps", "1"])
     assert code == 0, err
-    code, err = _oda(from_cache(tmp_path / "b", tmp_path / "head") + ["--max-steps", "2", "--resume"])
+    code, err = _oda(_from_cache(setup, tmp_path / "b", tmp_path / "head") + ["--max-steps", "2", "--resume"])
     _assert_one_line_error(code, err, "cache_rows_sha256", "train-head")
 
 
@@ -616,19 +618,12 @@ def test_resuming_on_hidden_states_of_another_dtype_is_refused(setup, tmp_path):
     code, err = _oda(_train(setup, _copy_out(setup, tmp_path / "older", older)) + ["--max-steps", "3", "--resume"])
     assert code == 0, err
 
-    def from_cache(cache, out):
-        argv = _train(setup, out)
-        argv[argv.index("--data"):argv.index("--data") + 2] = ["--from-cache", str(cache)]
-        for flag in ("--sinks", "--window", "--seq-len"):
-            del argv[argv.index(flag):argv.index(flag) + 2]
-        return argv
-
     for dtype in ("float32", "bfloat16"):
         code, err = _oda(_cache(setup, tmp_path / dtype, "--storage-dtype", dtype))
         assert code == 0, err
-    code, err = _oda(from_cache(tmp_path / "float32", tmp_path / "head") + ["--max-steps", "1"])
+    code, err = _oda(_from_cache(setup, tmp_path / "float32", tmp_path / "head") + ["--max-steps", "1"])
     assert code == 0, err
-    code, err = _oda(from_cache(tmp_path / "bfloat16", tmp_path / "head") + ["--max-steps", "2", "--resume"])
+    code, err = _oda(_from_cache(setup, tmp_path / "bfloat16", tmp_path / "head") + ["--max-steps", "2", "--resume"])
     _assert_one_line_error(code, err, "cache_dtypes: ['float32'] in the checkpoint, ['bfloat16'] now", "train-head")
 
 
