@@ -295,7 +295,9 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert [r["routed_steps"] for r in both["routing"]["requests"].values()] == [stopped["tokens"] - 1] * 2
     assert seen["after_bad"] == seen["completion"]["text"]
     # ids that look like parts of other responses: each response pools its own requests alone
-    for name, policy, steps in [("chat_job_1", "local", 4), ("chat_job", "full", 7), ("completion_batch-1", "full", 3)]:
+    # (chat_job_again reuses chat_job's X-Request-Id: it carried that earlier record too, under the plain id)
+    for name, policy, steps in [("chat_job_1", "local", 4), ("chat_job", "full", 7),
+                                ("chat_job_again", "schedule:1:2", 5), ("completion_batch-1", "full", 3)]:
         (record,) = seen[name]["requests"].values()
         assert (record["policy"], record["routed_steps"]) == (policy, steps), (name, seen[name])
     assert [r["routed_steps"] for r in seen["completion_batch"]["requests"].values()] == [5, 5]
@@ -303,7 +305,7 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert len(every) >= 15 and not any("decisions" in record for record in every.values())
     assert seen["responses_sample_id"][0] == 400 and "<k>_<id>" in seen["responses_sample_id"][1]
     metrics = dict(line.split() for line in seen["metrics"])
-    served = 9 + 9 + 5 + 4 * 5 + 3 * (stopped["tokens"] - 1) + 9 + 4 + 7 + 2 * 5 + 3   # refused: no step
+    served = 9 + 9 + 5 + 4 * 5 + 3 * (stopped["tokens"] - 1) + 9 + 4 + 7 + 5 + 2 * 5 + 3   # refused: no step
     assert int(metrics["oda_routed_steps_total"]) == served
     assert 0 < int(metrics["oda_full_calls_total"]) <= int(metrics["oda_decided_steps_total"]) <= served
     # the batch chat endpoint (refused before: served with the engine's default policy, no records in its response)

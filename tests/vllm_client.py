@@ -71,12 +71,12 @@ def main(port: int, model: str, ids: list) -> None:
     seen["after_bad"] = after.choices[0].text
     # callers' ids that look like a part of another response (a chat's "<id>_<i>", a completion's "<id>-<i>"): each
     # response holds its own engine requests only
-    for caller, policy, tokens in [("job_1", "local", 5), ("job", "full", 8)]:
+    for caller, policy, tokens in [("job_1", "local", 5), ("job", "full", 8), ("job", "schedule:1:2", 6)]:
         chat = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}], max_tokens=tokens,
             temperature=0, extra_headers={"X-Request-Id": caller},
             extra_body={"ignore_eos": True, "vllm_xargs": {"oda_policy": policy}})
-        seen[f"chat_{caller}"] = chat.model_extra.get("oda_routing")
+        seen[f"chat_{caller}" + ("_again" if f"chat_{caller}" in seen else "")] = chat.model_extra.get("oda_routing")
     for caller, prompts, policy, tokens in [("batch", [ids, ids], "local", 6), ("batch-1", [ids], "full", 4)]:
         completion = client.completions.create(
             model=model, prompt=prompts, max_tokens=tokens, temperature=0, extra_headers={"X-Request-Id": caller},

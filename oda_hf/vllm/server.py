@@ -136,6 +136,16 @@ def never_falling(totals: dict, state) -> dict:
     return {**totals, **floor, "pooled_full_call_rate": full / decided if decided else 0.0}
 
 
+def _newest_per_caller(records: dict) -> dict:
+    """One record per caller id, the last listed (finished records come in finish order, running ones after): a
+    response carries its own request's record, not also that of an earlier, finished request that used the same
+    ``X-Request-Id`` or body ``request_id`` (which took the plain id in `oda_routing`, with exit 0)."""
+    from .requests import external_request_id
+
+    newest = {external_request_id(rid): rid for rid in records}
+    return {rid: records[rid] for rid in newest.values()}
+
+
 def _by_caller_id(records: dict) -> dict:
     """Engine-keyed records keyed by the ids callers know (vLLM's ``-<8 hex>`` suffix dropped). Two requests can
     share one (an ``X-Request-Id`` header or a body ``request_id`` used twice): the later keeps its engine id."""
@@ -276,7 +286,7 @@ async def oda_routing_middleware(request, call_next):
     response_id = str(data.get("id", ""))
     callers = response_caller_ids(path, data, (asked.get("n") or 1) if isinstance(asked, dict) else 1)
     if callers is not None:
-        mine = (await _stats(request.app, caller_ids=callers))["requests"]
+        mine = _newest_per_caller((await _stats(request.app, caller_ids=callers))["requests"])
     else:
         mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
     await _counted(mine)
