@@ -81,6 +81,8 @@ def seed(name: str, value) -> int:
 
 def _parse_int(text: str) -> int:
     try:
+        if "_" in text:   # Python reads "1_0" as 10: a typo would run as another value
+            raise ValueError
         return int(text.strip())
     except ValueError:
         raise ValueError(f"must be an integer; got {text!r}.") from None
@@ -88,6 +90,8 @@ def _parse_int(text: str) -> int:
 
 def _parse_float(text: str) -> float:
     try:
+        if "_" in text:
+            raise ValueError
         return float(text.strip())
     except ValueError:
         raise ValueError(f"must be a number; got {text!r}.") from None

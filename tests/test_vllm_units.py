@@ -51,6 +51,9 @@ def test_request_knobs(extra, expected):
     ({"oda_policy": "random:0.5", "oda_threshold": "0.3"}, "does not ask the head"),   # once accepted, never read
     ({"oda_threshold": "nan"}, "finite"),
     ({"oda_threshold": "high"}, "must be a number"),
+    ({"oda_threshold": "1_0"}, "must be a number; got '1_0'"),   # float() read it as 10
+    ({"oda_policy": "budget:0.25:1_0"}, "must be a number; got '1_0'"),
+    ({"oda_policy": "random:0.5:1_0"}, "must be an integer; got '1_0'"),
     ({"oda_threshold": True}, "must be a finite number"),
     ({"oda_threshold": [1]}, "must be a finite number"),
     ({"oda_polciy": "full"}, "Unknown ODA request key.*'oda_polciy'"),

@@ -61,6 +61,8 @@ def _number(value, name: str) -> float:
     """A finite number; OpenAI's ``vllm_xargs`` may carry it as a string."""
     if isinstance(value, str):
         try:
+            if "_" in value:   # Python reads "1_0" as 10: a typo served as another threshold
+                raise ValueError
             value = float(value)
         except ValueError:
             raise ValueError(f"{name} must be a number; got {value!r}.") from None
