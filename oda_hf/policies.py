@@ -7,6 +7,7 @@ schedules for the runtime benchmark) comparable with the learned head.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 
 import torch
@@ -67,18 +68,27 @@ class RoutingPolicy(ABC):
 
 
 class HeadPolicy(RoutingPolicy):
-    """The learned recall head: Full when ``q > threshold`` or ``q`` is not finite."""
+    """The learned recall head: Full when ``q > threshold`` or ``q`` is not finite. ``threshold=None`` takes the
+    routing threshold (`OdaConfig.threshold`, a head's calibrated one); used on its own, 0."""
 
     name = "head"
     uses_head = True
 
-    def __init__(self, threshold: float = 0.0):
-        self.threshold = float(threshold)
+    def __init__(self, threshold: float | None = None):
+        self.threshold = None if threshold is None else number("HeadPolicy threshold", threshold)
 
     fast_path = True
 
+    def with_threshold(self, threshold: float) -> "HeadPolicy":
+        """This policy with `threshold` where it has none (the routing threshold)."""
+        if self.threshold is not None:
+            return self
+        resolved = copy.copy(self)   # (a subclass keeps its own fields)
+        resolved.threshold = number("HeadPolicy threshold", threshold)
+        return resolved
+
     def decide(self, scores, step, batch_size, device):
-        return self._rule(scores, self.threshold)
+        return self._rule(scores, 0.0 if self.threshold is None else self.threshold)
 
     def decide_on_device(self, scores, step, batch_size, device, threshold):
         return self._rule(scores, threshold)
@@ -224,8 +234,9 @@ class BudgetPolicy(RoutingPolicy):
 
 
 def resolve_policy(policy, threshold: float) -> RoutingPolicy:
-    """Turn the `OdaConfig.policy` value into a policy object."""
-    if isinstance(policy, BudgetPolicy):
+    """Turn the `OdaConfig.policy` value into a policy object; a head policy without its own threshold takes
+    `threshold` (``HeadPolicy()`` once kept its default 0 over the routing threshold, a calibrated one included)."""
+    if isinstance(policy, (BudgetPolicy, HeadPolicy)):
         return policy.with_threshold(threshold)
     if isinstance(policy, RoutingPolicy):
         return policy

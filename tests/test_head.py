@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+from oda_hf import HeadPolicy, OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from tiny_models import tiny_model
 
 
@@ -121,6 +121,34 @@ def test_threshold_controls_the_rate():
         model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         rates.append(model.routing.full_call_rate)
     assert rates == [1.0, 0.0]
+    # A HeadPolicy object without a threshold of its own reads the routing threshold, on both paths (it kept its
+    # default 0 over it, a head's calibrated threshold included: rate 0.64 here at either threshold, exit 0)
+    for threshold, rate in ((-1e9, 1.0), (1e9, 0.0)):
+        model.set_routing(policy=HeadPolicy(), threshold=threshold)
+        for fast in (False, True):
+            model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0, oda_fast=fast)
+            assert model.routing.full_call_rate == rate
+    model.set_routing(policy=HeadPolicy(1e9), threshold=-1e9)   # its own threshold wins, as a budget's does
+    model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model.routing.full_call_rate == 0.0
+
+
+def test_the_fast_path_refuses_a_head_policy_with_its_own_decide():
+    """A HeadPolicy subclass with its own decide() inherits HeadPolicy's device rule: the static engine ran that one
+    instead, with other tokens and decisions than the HF path's, exit 0."""
+    from oda_hf.engine.support import FastPathUnsupported
+
+    class Inverted(HeadPolicy):
+        def decide(self, scores, step, batch_size, device):
+            return ~super().decide(scores, step, batch_size, device)
+
+    base = tiny_model("qwen3")
+    model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
+                           OdaConfig(sinks=2, window=4, policy=Inverted()))
+    ids = torch.randint(3, 97, (2, 12))
+    model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with pytest.raises(FastPathUnsupported, match="overrides decide\\(\\) but inherits HeadPolicy's"):
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0, oda_fast=True)
 
 
 class FakeHubApi:

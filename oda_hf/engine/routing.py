@@ -40,6 +40,13 @@ def plan_for(policy: RoutingPolicy, has_head: bool) -> StepPlan:
         )
     if policy.uses_head and not has_head:
         raise ValueError("policy='head' needs a recall head; attach one with model.set_head().")
+    device_rule = next(cls for cls in type(policy).__mro__ if "decide_on_device" in cls.__dict__)
+    if device_rule is not RoutingPolicy and type(policy).decide is not device_rule.decide:
+        # e.g. a HeadPolicy subclass with its own `decide`: the inherited device rule would run instead, silently
+        raise FastPathUnsupported(
+            f"Routing policy {policy!r} overrides decide() but inherits {device_rule.__name__}'s decide_on_device, "
+            "which the fast path would run instead of it. Define decide_on_device to match, or use the HF path: "
+            "model.generate(...) without oda_fast.")
     keeps_state = [name for name in ("reset", "observe_window")
                    if getattr(type(policy), name) is not getattr(RoutingPolicy, name)
                    and not (name == "reset" and policy.host_draws)]
@@ -57,7 +64,8 @@ def plan_for(policy: RoutingPolicy, has_head: bool) -> StepPlan:
 
 def prepare_request(state: EngineState, policy: RoutingPolicy, plan: StepPlan, batch: int, max_steps: int) -> None:
     """Host-side, once per request: device threshold, and the decision table for table policies."""
-    state.threshold.fill_(float(getattr(policy, "threshold", 0.0)))  # what decide_on_device gets; rules without one ignore it
+    threshold = getattr(policy, "threshold", None)   # what decide_on_device gets; rules without one ignore it
+    state.threshold.fill_(0.0 if threshold is None else float(threshold))
     if plan.host_draws:
         if max_steps > state.decision_table.shape[0]:
             raise ValueError(f"{max_steps} routed steps exceed the engine's capacity {state.decision_table.shape[0]}.")
