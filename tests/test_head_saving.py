@@ -149,7 +149,8 @@ def test_save_pretrained_with_push_to_hub_uploads_the_saved_folder(base, tmp_pat
 
 
 def calibrated_repo(base, tmp_path, seed=0) -> dict:
-    """The files of a hub repo holding a calibrated head of `new_head(base, seed)` and a stale shard of a sharded save."""
+    """The files of a hub repo holding a calibrated head of `new_head(base, seed)` and a stale shard of a sharded
+    save."""
     folder = tmp_path / f"calibrated-{seed}"
     OdaForCausalLM(base, new_head(base, seed), OdaConfig(sinks=2, window=4)).save_pretrained(folder)
     calibrate(folder)

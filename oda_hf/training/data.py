@@ -98,12 +98,13 @@ def check_token_ids(rows: list[dict], vocab_size: int) -> None:
 
 def check_positions(rows: list[dict], context: int | None) -> None:
     """Raise ValueError if a packed row holds a position past the base model's context (`context`, its
-    ``max_position_embeddings``; None: unknown): the hidden states there are garbage, and so would be the supervision."""
+    ``max_position_embeddings``; None: unknown): the hidden states there are garbage, and so would be the
+    supervision."""
     longest = max((max(row["position_ids"], default=-1) + 1 for row in rows), default=0)
     if context is not None and longest > context:
         raise ValueError(f"packed rows hold pieces of documents up to {longest} tokens long, past the base model's "
-                         f"context of {context} tokens (max_position_embeddings): positions past it give garbage hidden "
-                         f"states. Pack with --seq-len {context} or less.")
+                         f"context of {context} tokens (max_position_embeddings): positions past it give garbage "
+                         f"hidden states. Pack with --seq-len {context} or less.")
 
 
 @dataclass
