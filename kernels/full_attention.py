@@ -27,6 +27,10 @@ SPLIT_POSITIONS = 256  # columns per program of kernel 1
 FULL_BLOCK_POSITIONS = 16  # columns per inner iteration (registers: group x block x head_dim FP32 products)
 
 
+#: Split partials the combine kernel merges per iteration (a constant: see `full_attention_decode`).
+COMBINE_BLOCKS = 32
+
+
 def num_full_splits(columns: int, split_positions: int = SPLIT_POSITIONS) -> int:
     return max(1, -(-columns // split_positions))
 
@@ -208,6 +212,9 @@ def full_attention_decode(q, keys, values, column_valid, position, scale: float,
         q_heads, splits,
         *m.stride(), *a.stride(),
         out.stride(0), out.stride(1), out.stride(3),
-        HEAD_DIM_V=head_dim_v, BLOCK_B=min(32, next_power_of_2(splits)), BLOCK_DV=next_power_of_2(head_dim_v),
+        # BLOCK_B fixed (the kernel loops over the runtime count): derived from `splits`, i.e. from the length
+        # bucket, it made torch.cond's compiled Full branch specialise on each bucket (one retrace per 256 columns,
+        # toward dynamo's recompile limit, a hard failure under fullgraph)
+        HEAD_DIM_V=head_dim_v, BLOCK_B=COMBINE_BLOCKS, BLOCK_DV=next_power_of_2(head_dim_v),
     )
     return out

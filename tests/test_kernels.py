@@ -542,6 +542,33 @@ def test_full_kernel_matches_reference(name, dtype, use_dot):
     assert K.num_full_splits(columns) == -(-columns // K.SPLIT_POSITIONS)
 
 
+@triton_cpu
+def test_full_kernel_compile_constants_do_not_follow_the_length(monkeypatch):
+    """The static engine runs the Full branch under torch.cond, compiled once for every length bucket: a Triton
+    constexpr derived from the bucket's column count (the combine's BLOCK_B was next_power_of_2(splits)) made dynamo
+    specialise on it, one retrace per 256 columns toward its recompile limit (an audit's CPU repro)."""
+    import oda_hf.kernels.full_attention as full
+
+    launches = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                launches.append(constants)
+                return self.kernel[grid](*args, **constants)
+            return launch
+
+    monkeypatch.setattr(full, "_local_combine_kernel", Recording(full._local_combine_kernel))
+    for columns in (40, 700):   # 1 and 3 splits
+        q, keys, values, valid, pos = make_full_case(columns, columns, columns - 1, [0, 2], 4, 2, 16,
+                                                     torch.float32, seed=1)
+        K.full_attention_decode(q, keys, values, valid, pos, 0.25, use_dot=False)
+    assert len(launches) == 2 and launches[0] == launches[1]
+
+
 def test_full_kernel_shape_errors():
     q, keys, values, valid, pos = make_full_case(48, 64, 40, (0,), 8, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
