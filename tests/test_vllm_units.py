@@ -906,6 +906,11 @@ def test_flash_layout_of_vllm_0_32_matches_how_its_kernels_split_the_cache():
     assert torch.equal(keys, vllm_keys.transpose(1, 2)) and torch.equal(values, vllm_values.transpose(1, 2))
     with pytest.raises(NotImplementedError, match="3-D cache of shape"):
         paged_layout("FLASH_ATTN", torch.zeros(3, 4, 6))
+    # A 5-D cache (earlier vLLM) is refused, not guessed: FlashInfer's and Triton's are [blocks, 2, block, H, D]
+    # where the removed branch read [2, blocks, ...] (other keys and values, no error; an audit's CPU repro)
+    for backend in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        with pytest.raises(NotImplementedError, match="5-D cache of shape"):
+            paged_layout(backend, torch.zeros(6, 2, 4, 2, 3))
 
 
 def test_flash_layout_reads_a_strided_layer_inside_a_shared_buffer():

@@ -152,12 +152,8 @@ def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = No
         dim = two_dims // 2
         strides = tuple(kv_cache.stride())
         return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, dim * strides[3])
-    if backend_name in ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER") and kv_cache.dim() == 5:
-        # earlier vLLM: [2, num_blocks, block_size, Hkv, D] (never run here: no GPU)
-        _, num_blocks, block, heads, dim = kv_cache.shape
-        kv, block_stride, offset_stride, head_stride, dim_stride = kv_cache.stride()
-        strides = (block_stride, head_stride, offset_stride, dim_stride)
-        return PagedLayout((num_blocks, heads, block, dim), strides, strides, 0, kv)
+    # (A 5-D cache of earlier vLLM versions is refused below: which axis holds K/V differs between backends and
+    # versions, [2, blocks, ...] or [blocks, 2, ...], and a wrong guess reads other keys and values without error.)
     raise NotImplementedError(
         f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend (a "
         f"{kv_cache.dim()}-D cache of shape {tuple(kv_cache.shape)}); serve ODA with CPU_ATTN (vLLM's CPU build) or "
