@@ -157,7 +157,8 @@ def paged_layout(backend_name: str, kv_cache: torch.Tensor, isa: str | None = No
     raise NotImplementedError(
         f"ODA's Local attention does not know the KV cache layout of the {backend_name} attention backend (a "
         f"{kv_cache.dim()}-D cache of shape {tuple(kv_cache.shape)}); serve ODA with CPU_ATTN (vLLM's CPU build) or "
-        "FLASH_ATTN."
+        "FLASH_ATTN (on a GPU where vLLM picks another backend: --attention-backend FLASH_ATTN, or "
+        "attention_backend='FLASH_ATTN' in the engine arguments)."
     )
 
 
