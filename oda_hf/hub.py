@@ -65,9 +65,10 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
 
     Deleted: weight files of an older save the upload does not write (shards, an index, pytorch weights), and a
     calibration.json measured on other weights (its model.safetensors differs from the one uploaded). That
-    calibration's threshold lives in the repo's oda_config.json: one uploaded with the new save is the caller's; one
-    the upload does not write is replaced by a copy with the default threshold, as `_uncalibrated` does locally (left
-    there, the next load by id would route the new weights with the old weights' threshold)."""
+    calibration's threshold lives in the repo's oda_config.json, which goes back to the default threshold (replaced by
+    a copy), as `_uncalibrated` does locally: left there, or uploaded again by a model loaded from the repo, the next
+    load by id would route the new weights with the old weights' threshold. An uploaded oda_config.json with another
+    threshold is the caller's choice and goes up as it is."""
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.hf_api import RepoFile
 
@@ -86,14 +87,20 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
     if CALIBRATION_NAME in on_hub and CALIBRATION_NAME not in names \
             and _hub_sha256(on_hub.get(SAFE_WEIGHTS)) != _file_sha256(os.path.join(folder, SAFE_WEIGHTS)):
         delete.append(CALIBRATION_NAME)
-        if ODA_CONFIG_NAME in on_hub and ODA_CONFIG_NAME not in names:
+        if ODA_CONFIG_NAME in on_hub:
             saved = api.hf_hub_download(repo_id, ODA_CONFIG_NAME, revision=revision, token=token)
             try:
-                config = OdaConfig.from_kwargs(OdaConfig.from_json_file(saved), threshold=OdaConfig().threshold)
+                calibrated = OdaConfig.from_json_file(saved)
             except (OSError, ValueError):   # unreadable: gone rather than left with the old threshold
-                delete.append(ODA_CONFIG_NAME)
-            else:
-                config.save_pretrained(scratch)
+                calibrated = None
+                if ODA_CONFIG_NAME not in names:
+                    delete.append(ODA_CONFIG_NAME)
+            # The upload's own routing is the caller's, unless its threshold is the calibrated one (a model loaded
+            # from this repo and given new weights), which goes back to the default as `_uncalibrated` does.
+            uploaded = OdaConfig.from_json_file(os.path.join(folder, ODA_CONFIG_NAME)) \
+                if ODA_CONFIG_NAME in names else calibrated
+            if calibrated is not None and uploaded.threshold == calibrated.threshold:
+                OdaConfig.from_kwargs(uploaded, threshold=OdaConfig().threshold).save_pretrained(scratch)
                 replace[ODA_CONFIG_NAME] = os.path.join(scratch, ODA_CONFIG_NAME)
         logger.warning(f"{repo_id} held a calibration of other weights: {CALIBRATION_NAME} is deleted with this upload"
                        + (f" and {ODA_CONFIG_NAME}'s threshold goes back to the default" if replace

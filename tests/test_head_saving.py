@@ -189,6 +189,12 @@ def test_push_to_hub_clears_an_older_calibration_of_other_weights(base, tmp_path
     OdaForCausalLM(base, new_head(base, 1), OdaConfig(sinks=2, window=4, threshold=0.3)).save_pretrained(
         tmp_path / "mine", push_to_hub=True, repo_id="me/head")
     assert CALIBRATION_NAME not in fake.files and json.loads(fake.files[ODA_CONFIG_NAME])["threshold"] == 0.3
+    # ... but a model loaded from the repo (the calibrated threshold 0.425) and given new weights does not upload that
+    # threshold again with them (a review found the push kept it, where a local save resets it)
+    fake = FakeHubApi(calibrated_repo(base, tmp_path))
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    OdaForCausalLM(base, new_head(base, 1), OdaConfig(sinks=2, window=4, threshold=0.425)).push_to_hub("me/head")
+    assert CALIBRATION_NAME not in fake.files and json.loads(fake.files[ODA_CONFIG_NAME])["threshold"] == 0.0
 
 
 # -- 6. head=<RecallHead object> warns about the folder's threshold it does not apply ----------------------------------
