@@ -79,7 +79,7 @@ def seed(name: str, value) -> int:
     return value
 
 
-def _parse_int(text: str) -> int:
+def parse_int(text: str) -> int:
     try:
         if "_" in text:   # Python reads "1_0" as 10: a typo would run as another value
             raise ValueError
@@ -88,7 +88,7 @@ def _parse_int(text: str) -> int:
         raise ValueError(f"must be an integer; got {text!r}.") from None
 
 
-def _parse_float(text: str) -> float:
+def parse_float(text: str) -> float:
     try:
         if "_" in text:
             raise ValueError
@@ -101,7 +101,7 @@ def argument(check: Callable, name: str = "value", **bounds) -> Callable[[str], 
     """An argparse ``type=`` that parses the text (int for `integer`, float otherwise) and applies `check`.
 
     The error reads ``argument --flag: must be an integer >= 1; got 0.`` (argparse adds the flag)."""
-    parse = _parse_int if check in (integer, seed) else _parse_float
+    parse = parse_int if check in (integer, seed) else parse_float
 
     def convert(text: str):
         try:
@@ -144,22 +144,22 @@ def parse_policy_text(text) -> PolicySpecText:
         return PolicySpecText(kind)
     if kind == "random" and 1 <= len(fields) <= 2:
         try:
-            p = probability("random:P", _parse_float(fields[0]))
-            seed_value = seed("random:P:SEED", _parse_int(fields[1])) if len(fields) == 2 else 42
+            p = probability("random:P", parse_float(fields[0]))
+            seed_value = seed("random:P:SEED", parse_int(fields[1])) if len(fields) == 2 else 42
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad policy {text!r}: {err}") from None
         return PolicySpecText("random", p=p, seed=seed_value)
     if kind == "budget" and 1 <= len(fields) <= 2:
         try:
-            rate = probability("budget:RATE", _parse_float(fields[0]))
-            threshold = number("budget:RATE:THRESHOLD", _parse_float(fields[1])) if len(fields) == 2 else None
+            rate = probability("budget:RATE", parse_float(fields[0]))
+            threshold = number("budget:RATE:THRESHOLD", parse_float(fields[1])) if len(fields) == 2 else None
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad policy {text!r}: {err}") from None
         return PolicySpecText("budget", p=rate, threshold=threshold)
     if kind == "schedule" and len(fields) == 2:
         try:
-            period = integer("schedule:K:PERIOD", _parse_int(fields[1]), minimum=1)
-            k = integer("schedule:K", _parse_int(fields[0]), minimum=0, maximum=period)
+            period = integer("schedule:K:PERIOD", parse_int(fields[1]), minimum=1)
+            k = integer("schedule:K", parse_int(fields[0]), minimum=0, maximum=period)
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad policy {text!r}: {err}") from None
         return PolicySpecText("schedule", k=k, period=period)

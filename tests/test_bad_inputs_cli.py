@@ -166,6 +166,13 @@ def test_eval_policies_whose_names_collide_are_refused():
         ["oda@0.1", "random~oda@0.1/seed42"]
     assert [s.name for s in build_policies(["oda", "random:-0"], [0.0, -0.0], [42])] == \
         ["oda@0", "random@p0/seed42"]   # -0 named itself "oda@-0" and ran a second time
+    with pytest.raises(UsageError, match="must be a number; got '0_1'"):   # float() ran it as p = 1
+        build_policies(["random:0_1"], [0.0], [42])
+    from argparse import Namespace
+
+    from oda_hf.evaluation.cli import _primary_threshold
+    primary = _primary_threshold(Namespace(primary_threshold=-0.0, policies=["oda"]), [0.0])
+    assert str(primary) == "0.0"   # -0 picked "oda@-0", which no record is named: no main-table ODA, no trajectories
     with pytest.raises(UsageError, match=r"'oda@0.1' \(threshold 0.1 and 0.1000001\)"):
         build_policies(["oda"], [0.1, 0.1000001], [42])
     with pytest.raises(UsageError, match=r"'random@p0.25/seed42' \(p 0.25 and 0.2500001\)"):

@@ -18,7 +18,7 @@ from ..cli_common import (UsageError, dtype_name, first_line, load_tokenizer, re
                           torch_dtype, user_input)
 from ..files import output_lock
 from ..known_models import base_argument, head_argument
-from ..validation import argument, integer, number, probability, seed
+from ..validation import argument, integer, number, parse_float, parse_int, probability, seed
 
 RESULTS_FILE = "results.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -129,12 +129,12 @@ def _policy_word(text: str) -> str:
         if kind in ("full", "local", "streamingllm", "oda", "random") and not colon:
             return text
         if kind in ("random", "budget") and rest:
-            probability(f"{kind}:{'P' if kind == 'random' else 'R'}", float(rest))
+            probability(f"{kind}:{'P' if kind == 'random' else 'R'}", parse_float(rest))
             return text
         if kind == "schedule" and rest.count(":") == 1:
             k, period = rest.split(":")
-            period = integer("schedule:K:PERIOD", int(period), minimum=1)
-            integer("schedule:K", int(k), minimum=0, maximum=period)
+            period = integer("schedule:K:PERIOD", parse_int(period), minimum=1)
+            integer("schedule:K", parse_int(k), minimum=0, maximum=period)
             return text
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(f"bad policy {text!r}: {err} ({usage})") from None
@@ -197,15 +197,15 @@ def build_policies(words, thresholds, seeds) -> list:
             specs += [runner.random_matched(t, s) for t in thresholds for s in seeds]
         elif kind == "random":
             try:
-                specs += [runner.random_fixed(float(rest) + 0.0, s) for s in seeds]
+                specs += [runner.random_fixed(parse_float(rest) + 0.0, s) for s in seeds]
             except ValueError as err:
                 raise UsageError(f"bad policy {word!r}: {err} (use random:P with 0 <= P <= 1)") from err
         elif kind == "budget":  # the head at each ODA threshold of the run, under a Full-call budget that holds
-            specs += [runner.budget(float(rest), t) for t in thresholds]
+            specs += [runner.budget(parse_float(rest) + 0.0, t) for t in thresholds]
         elif kind == "schedule":
             k, _, period = rest.partition(":")
             try:
-                specs.append(runner.schedule(int(k), int(period)))
+                specs.append(runner.schedule(parse_int(k), parse_int(period)))
             except ValueError as err:
                 raise UsageError(f"bad schedule {word!r}: {err} (use schedule:K:PERIOD)") from err
     kept: dict = {}
@@ -236,7 +236,7 @@ def _primary_threshold(args, thresholds: list[float] | None) -> float | None:
     if args.primary_threshold not in thresholds:
         raise UsageError(f"--primary-threshold {args.primary_threshold:g} is not among the ODA thresholds of this run "
                          f"({', '.join(f'{t:g}' for t in thresholds)}): give one of them, or add it to --thresholds.")
-    return args.primary_threshold
+    return args.primary_threshold + 0.0   # -0 names oda@0, as build_policies does
 
 
 def _write_report(report, records, out, primary, plots):
