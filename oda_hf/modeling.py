@@ -419,12 +419,19 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise
         return CausalLMOutputWithPast(logits=self.lm_logits(hidden), **cache_kwargs(cache))
 
-    def _prefill(self, *args, **kwargs):
-        """transformers' prefill of a generate() call. Chunked (``prefill_chunk_size``), its last chunk may be one
-        token: still prompt, prefilled with Full as the chunks before it, not a routed step."""
-        self._prefilling, self._prefilled_chunk = True, False
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' prefill of a generate() call. Chunked (``prefill_chunk_size``), a chunk may be one token:
+        where the call feeds more than one uncached token (unchunked: one Full prefill), every chunk is prompt,
+        prefilled with Full, not a routed step (a call continuing a cache with chunks of one routed them all)."""
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        cached = cache.get_seq_length() if isinstance(cache, OdaCache) else 0
+        mask = model_kwargs.get("attention_mask")
+        # (transformers' own rule for what it feeds: the uncached tail when the mask covers the whole sequence)
+        whole = mask is None or mask.shape[-1] == input_ids.shape[1]
+        fed = input_ids.shape[1] - cached if whole else input_ids.shape[1]
+        self._prefilling, self._prefilled_chunk = True, fed > 1 and cached > 0
         try:
-            return super()._prefill(*args, **kwargs)
+            return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
         finally:
             self._prefilling = self._prefilled_chunk = False
 

@@ -44,6 +44,20 @@ def test_chunked_prefill_prefills_every_prompt_token(chunk):
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                   prefill_chunk_size=chunk)
     assert torch.equal(model.generate(**kwargs), base.generate(**kwargs)) and model.routing.routed_steps == 5
+    # A call continuing a cache with 6 uncached tokens (its last output and 5 new) prefills them all with Full, in
+    # chunks of one as unchunked (chunks of one had routed every one of them: 11 routed steps for 5, logits 0.25 off)
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=1, window=2, policy="local"))
+    scores = {}
+    for chunk in (None, 1):
+        cache = model.new_cache()
+        first = model.generate(input_ids=ids[1:], max_new_tokens=6, do_sample=False, pad_token_id=0,
+                               past_key_values=cache)
+        more = torch.cat([first, torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))], dim=1)
+        out = model.generate(input_ids=more, max_new_tokens=6, do_sample=False, pad_token_id=0, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk)
+        scores[chunk] = (torch.stack(out.logits, 1), model.routing.routed_steps)
+    assert scores[1][1] == scores[None][1] == 5
+    torch.testing.assert_close(scores[1][0], scores[None][0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
