@@ -303,6 +303,7 @@ class OdaGlobalLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.ws_keys = self.ws_values = None
         self.valid_count = None
+        self.interior_holes = False
         self.seq_length = 0
         self.pending.clear()
         self.is_initialized = False

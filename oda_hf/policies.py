@@ -75,16 +75,17 @@ class HeadPolicy(RoutingPolicy):
     uses_head = True
 
     def __init__(self, threshold: float | None = None):
-        self.threshold = None if threshold is None else number("HeadPolicy threshold", threshold)
+        self.threshold = None if threshold is None else float(threshold)   # (+-inf: never / always Full)
 
     fast_path = True
 
     def with_threshold(self, threshold: float) -> "HeadPolicy":
-        """This policy with `threshold` where it has none (the routing threshold)."""
+        """This policy with `threshold` where it has none (the routing threshold): a copy, so that one policy object
+        can serve models routed at different thresholds (a subclass's own fields are copied with it)."""
         if self.threshold is not None:
             return self
-        resolved = copy.copy(self)   # (a subclass keeps its own fields)
-        resolved.threshold = number("HeadPolicy threshold", threshold)
+        resolved = copy.copy(self)
+        resolved.threshold = float(threshold)
         return resolved
 
     def decide(self, scores, step, batch_size, device):
