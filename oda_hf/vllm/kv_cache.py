@@ -49,33 +49,34 @@ class _PromptOnlyCaching:
 def _seal_decode_hashes(request, hash_block_size: int) -> None:
     """Make the hashes of `request`'s blocks that reach past its cacheable prefix (`cacheable_tokens`) its own: a
     prefix-cache lookup of this request (its resumption after a preemption) then stops at its prompt. Runs before
-    each caching of its blocks (the first is before its first output); from then on each new hash is sealed as
-    vLLM appends it (`SealedBlockHashes`), so none is ever looked up unsealed."""
-    if not isinstance(request.block_hashes, SealedBlockHashes):
-        request.block_hashes = SealedBlockHashes(request.block_hashes, cacheable_tokens(request) // hash_block_size,
-                                                 f"oda-decode|{request.request_id}|".encode())
+    each caching of its blocks (the first is before its first output): the request's block hasher is wrapped once, so
+    that every later hash past the prefix is salted as vLLM computes it, and hashes already there are salted in
+    place (the list object is kept: connectors may hold it)."""
+    if "oda_sealed_from" in request.__dict__:
+        return
+    first = cacheable_tokens(request) // hash_block_size   # the block holding the first token not to share
+    salt = f"oda-decode|{request.request_id}|".encode()
+    request.oda_sealed_from = first
+    hashes = request.block_hashes
+    for index in range(first, len(hashes)):
+        hashes[index] = _salted(salt, hashes[index])
+    hasher = request._block_hasher
+    if hasher is not None:
+        request._block_hasher = _sealing_hasher(hasher, first, salt)
 
 
-class SealedBlockHashes(list):
-    """A request's block hashes whose entries from index `first` on (blocks holding a token past the prefix it may
-    share) are salted with `salt` (its id) as they are appended: no other request has them, so no lookup matches."""
+def _sealing_hasher(hasher, first: int, salt: bytes):
+    """vLLM's per-request block hasher (``hasher(request)`` -> the new full blocks' hashes), with those from block
+    `first` on salted. (Holds no reference to the request: vLLM keeps the hasher unbound to avoid a cycle.)"""
+    def hash_new_blocks(request) -> list:
+        start = len(request.block_hashes)
+        return [_salted(salt, block_hash) if start + i >= first else block_hash
+                for i, block_hash in enumerate(hasher(request))]
+    return hash_new_blocks
 
-    def __init__(self, hashes, first: int, salt: bytes):
-        super().__init__(hashes)
-        self.first, self.salt = first, salt
-        self._seal_from(0)
 
-    def extend(self, new_hashes) -> None:   # how vLLM's Request appends the hashes of its new full blocks
-        start = len(self)
-        super().extend(new_hashes)
-        self._seal_from(start)
-
-    def append(self, new_hash) -> None:
-        self.extend([new_hash])
-
-    def _seal_from(self, start: int) -> None:
-        for index in range(max(start, self.first), len(self)):
-            self[index] = BlockHash(hashlib.sha256(self.salt + bytes(self[index])).digest())
+def _salted(salt: bytes, block_hash) -> BlockHash:
+    return BlockHash(hashlib.sha256(salt + bytes(block_hash)).digest())
 
 
 class PromptOnlyCachingManager(_PromptOnlyCaching, FullAttentionManager):
