@@ -407,16 +407,17 @@ def cpu_cache(num_blocks, heads, block, dim):
 
 
 def flash_cache(num_blocks, heads, block, dim):
-    return torch.zeros(2, num_blocks, block, heads, dim)
-
-
-def flash_cache_4d(num_blocks, heads, block, dim):
-    """vLLM 0.32's FlashAttention cache: [num_blocks, Hkv, block_size, 2 * D]."""
+    """vLLM 0.32's FlashAttention cache: [num_blocks, Hkv, block_size, 2 * D] (contiguous: its HND layout)."""
     return torch.zeros(num_blocks, heads, block, 2 * dim)
 
 
+def flash_cache_nhd(num_blocks, heads, block, dim):
+    """The same in vLLM's default NHD layout: heads inside positions in memory (a strided view)."""
+    return torch.zeros(num_blocks, block, heads, 2 * dim).transpose(1, 2)
+
+
 @pytest.mark.parametrize("make,backend", [(cpu_cache, "CPU_ATTN"), (flash_cache, "FLASH_ATTN"),
-                                          (flash_cache_4d, "FLASH_ATTN")])
+                                          (flash_cache_nhd, "FLASH_ATTN")])
 @pytest.mark.parametrize("kv_heads,heads", [(1, 1), (2, 6), (1, 7)])
 def test_local_gather_matches_the_reference(make, backend, kv_heads, heads):
     """The served Local path (flat indices built once, then one gather each for keys and values, SDPA) against the
