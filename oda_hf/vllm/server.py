@@ -137,9 +137,11 @@ def never_falling(totals: dict, state) -> dict:
 
 
 def _newest_per_caller(records: dict) -> dict:
-    """One record per caller id, the last listed (finished records come in finish order, running ones after): a
-    response carries its own request's record, not also that of an earlier, finished request that used the same
-    ``X-Request-Id`` or body ``request_id`` (which took the plain id in `oda_routing`, with exit 0)."""
+    """One record per caller id, the last listed (finished records in finish order, then running ones: a request cut
+    by a stop string is still running in the engine when its response is built): a response carries its own
+    request's record, not also that of an earlier request that used the same ``X-Request-Id`` or body
+    ``request_id`` (which took the plain id in `oda_routing`, with exit 0). Two requests sharing an id at the same
+    time stay ambiguous (the later one's record may be taken for the earlier's), as documented."""
     from .requests import external_request_id
 
     newest = {external_request_id(rid): rid for rid in records}
