@@ -69,8 +69,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._request_prefilled = False  # the current request's first output came from a prefill
         self._beam_generation = False  # the current generate() call runs beam search: outputs are not cache rows
         self._prefilling = False  # generate()'s prefill is running (`_prefill`), maybe in chunks
+        self._prefilled_chunk = False  # ... and its chunks are all prompt (prefilled with Full)
         self._call_eos_token_id = _NOT_SEEN  # the EOS of the running generate() call's merged generation config
-        self._prefilled_chunk = False  # ... and an earlier chunk of it was prefilled: the next are prompt too
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
             raise ValueError(
