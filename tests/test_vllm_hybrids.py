@@ -314,20 +314,22 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 from oda_hf.vllm.settings import check_engine_features
 head = sys.argv[2] or None
-def engine_config(head=head, **settings):
-    oda = {"head": head, "sinks": 4, "window": 16}
+def engine_config(head=head, policy=None, **settings):
+    oda = {"head": head, "sinks": 4, "window": 16, **({"policy": policy} if policy else {})}
     return EngineArgs(model=sys.argv[1], hf_overrides={"architectures": ["OdaQwen3_5ForCausalLM"], "oda": oda},
                       dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True, **settings).create_engine_config()
-def admission(config):   # what vLLM's input processor runs for a request to the engine of `config`
+def admission(config, knobs={"oda_policy": "head"}):   # what vLLM's input processor runs for a request to it
     try:
         validate_logits_processors_parameters(config.model_config.logits_processors,
-                                              SamplingParams(extra_args={"oda_policy": "head"}))
+                                              SamplingParams(extra_args=knobs))
         return "admitted"
     except Exception as err:   # vLLM's VLLMValidationError
         return str(err)
 other = engine_config(head=None if head else "/heads/h")   # another engine of this process, configured first
 config = engine_config()
 admitted, other_admitted = admission(config), admission(other)
+# an engine with a head whose default policy does not ask it: a threshold without a policy would go unread
+unread = admission(engine_config(head="/heads/h", policy="local"), {"oda_threshold": 0.3})
 check_engine_features(config)   # what the model checks at engine start, on vLLM's own config objects
 try:
     check_engine_features(engine_config(kv_cache_dtype="fp8"))
@@ -335,7 +337,7 @@ try:
 except ValueError as err:
     fp8 = str(err)
 print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model_config.hf_text_config.rope_parameters),
-                  admitted, other_admitted, fp8]))
+                  admitted, other_admitted, fp8, unread]))
 """
 
 
@@ -364,7 +366,8 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     proc = subprocess.run([VLLM_PYTHON, "-c", HAND_CONFIG_PROBE, str(tmp_path), "/heads/h" if with_head else ""],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dtype, rope, admitted, other_admitted, fp8 = json.loads(proc.stdout.strip().splitlines()[-1])
+    dtype, rope, admitted, other_admitted, fp8, unread = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "default policy does not ask the head" in unread
     assert dtype == "float32" and rope == ["partial_rotary_factor", "rope_theta", "rope_type"]
     assert "ODA does not serve with a quantized KV cache (kv_cache_dtype='fp8')" in fp8
     headless = other_admitted if with_head else admitted

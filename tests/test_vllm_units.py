@@ -11,10 +11,11 @@ from oda_hf.vllm import engine_args
 from oda_hf.vllm.attention import check_prefix_caching, local_positions, paged_local_attention, routed_layers
 from oda_hf.vllm.requests import RequestRouting, RequestState, records_of, request_routing
 from oda_hf.vllm.settings import (
+    HEADLESS_DEFAULT_VALIDATOR,
     HEADLESS_VALIDATOR,
     ServingSettings,
     check_request_admissible,
-    refuse_head_requests_if_headless,
+    add_admission_checks,
 )
 
 DEFAULT = RequestRouting(policy="head", threshold=0.2)
@@ -209,10 +210,18 @@ def test_each_headless_engine_gets_the_head_refusing_check_from_its_config():
                                                             logits_processors=processors))
 
     headless, headed, other = config({"head": None}, ["my.Processor"]), config({"head": "/heads/h"}), config(None)
-    for engine in (headless, headed, other, headless):   # twice: added once
-        refuse_head_requests_if_headless(engine)
+    budget = config({"head": "/heads/h", "policy": "budget:0.25"})
+    local = config({"head": "/heads/h", "policy": "local"})
+    for engine in (headless, headed, other, budget, local, headless, local):   # twice: added once
+        add_admission_checks(engine)
     assert headless.model_config.logits_processors == ["my.Processor", HEADLESS_VALIDATOR]
     assert headed.model_config.logits_processors is None and other.model_config.logits_processors is None
+    assert budget.model_config.logits_processors is None
+    # a head engine whose default policy does not ask the head: a threshold without a policy would go unread
+    assert local.model_config.logits_processors == [HEADLESS_DEFAULT_VALIDATOR]
+    with pytest.raises(ValueError, match="default policy does not ask the head: add oda_policy 'head'"):
+        check_request_admissible({"oda_threshold": 0.3}, default_asks_head=False)
+    check_request_admissible({"oda_threshold": 0.3, "oda_policy": "head"}, default_asks_head=False)
 
 
 def test_schedule_and_random_decisions():

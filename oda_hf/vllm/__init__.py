@@ -60,7 +60,7 @@ def _register_config_hooks() -> None:
     (e.g. Qwen3.5's: the recurrent state's dtype from the checkpoint and one-dimensional rotary positions), so an
     engine configured by hand (``hf_overrides`` naming an ODA class) is configured as `engine_args` configures it.
     The hook also gives an engine without a head the admission check that refuses head requests
-    (`settings.refuse_head_requests_if_headless`), however it was built, instead of failing inside a model step."""
+    (`settings.add_admission_checks`), however it was built, instead of failing inside a model step."""
     try:
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
     except ImportError:  # another vLLM layout: engine_args still applies the base's settings itself
@@ -78,12 +78,12 @@ def _config_hook(oda_name: str, base_hooks: tuple, hook_base: type) -> type:
     def verify_and_update_config(vllm_config) -> None:
         for hook in base_hooks:
             hook.verify_and_update_config(vllm_config)
-        from .settings import check_no_speculative_decoding, refuse_head_requests_if_headless
+        from .settings import check_no_speculative_decoding, add_admission_checks
 
         # first: vLLM refuses the headless check (a custom logits processor) beside speculative decoding, in words
         # that do not say why ODA cannot serve it
         check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
-        refuse_head_requests_if_headless(vllm_config)
+        add_admission_checks(vllm_config)
 
     def verify_and_update_model_config(model_config) -> None:
         for hook in base_hooks:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from .requests import POLICY_KEY, THRESHOLD_KEY, RequestRouting, exact_text, parse_policy, request_routing
 
-# The admission check of an engine served without a recall head (its config hook adds it to the engine's logits
-# processors): vLLM gives a request validator nothing but the request, so each engine gets the check it needs.
+# The admission checks of an engine served without a recall head, and of one whose default policy does not ask the
+# head (its config hook adds the one it needs to the engine's logits processors): vLLM gives a request validator
+# nothing but the request, so each engine gets the check it needs.
 HEADLESS_VALIDATOR = "oda_hf.vllm.validator:HeadlessEngineValidator"   # vLLM's <module>:<class> form
+HEADLESS_DEFAULT_VALIDATOR = "oda_hf.vllm.validator:HeadlessDefaultValidator"
 
 
 def served_head_of(vllm_config) -> bool | None:
@@ -24,15 +26,27 @@ def served_head_of(vllm_config) -> bool | None:
     return bool(settings.get("head")) if isinstance(settings, dict) else None
 
 
-def refuse_head_requests_if_headless(vllm_config) -> None:
+def add_admission_checks(vllm_config) -> None:
     """Give an engine served without a head the admission check that refuses head requests (`HEADLESS_VALIDATOR`
     among its logits processors), however it was configured: such a request would otherwise fail inside a model step,
-    which stops the engine with every request in it."""
+    which stops the engine with every request in it. An engine with a head whose default policy does not ask it
+    (``policy="local"``...) gets `HEADLESS_DEFAULT_VALIDATOR`: a request's ``oda_threshold`` without its own policy
+    would go unread."""
     model_config = getattr(vllm_config, "model_config", None)
-    if served_head_of(vllm_config) is False:
+    serves_head = served_head_of(vllm_config)
+    check = HEADLESS_VALIDATOR if serves_head is False else \
+        HEADLESS_DEFAULT_VALIDATOR if serves_head and not _default_asks_head(vllm_config) else None
+    if check is not None:
         processors = list(getattr(model_config, "logits_processors", None) or [])
-        if HEADLESS_VALIDATOR not in processors:
-            model_config.logits_processors = [*processors, HEADLESS_VALIDATOR]
+        if check not in processors:
+            model_config.logits_processors = [*processors, check]
+
+
+def _default_asks_head(vllm_config) -> bool:
+    """Whether the default policy of an ODA engine with a head reads the head's threshold (head, or a budget)."""
+    settings = vllm_config.model_config.hf_config.oda
+    policy = settings.get("policy")
+    return policy is None or str(policy).split(":")[0].strip() in ("head", "budget")
 
 
 def check_no_speculative_decoding(speculative_config) -> None:
@@ -89,9 +103,11 @@ def check_engine_features(vllm_config) -> None:
                          "engine without enable_prompt_embeds.")
 
 
-def check_request_admissible(extra_args: dict | None, serves_head: bool = True) -> None:
+def check_request_admissible(extra_args: dict | None, serves_head: bool = True,
+                             default_asks_head: bool = True) -> None:
     """ValueError for a request an engine cannot serve: invalid ODA knobs, or (`serves_head` False) a policy that needs
-    the recall head (it would otherwise fail inside a model step, where vLLM cannot fail one request alone)."""
+    the recall head (it would otherwise fail inside a model step, where vLLM cannot fail one request alone), or
+    (`default_asks_head` False) a threshold without a policy that would read it."""
     extra_args = extra_args or {}
     routing = request_routing(extra_args, RequestRouting())
     if extra_args.get(POLICY_KEY) is not None and routing.policy in ("head", "budget") and not serves_head:
@@ -100,6 +116,9 @@ def check_request_admissible(extra_args: dict | None, serves_head: bool = True) 
     if extra_args.get(THRESHOLD_KEY) is not None and not serves_head:   # served, the knob would go unread
         raise ValueError(f"{THRESHOLD_KEY} is the recall head's threshold, and this server runs without a head, so "
                          f"no policy reads it: drop {THRESHOLD_KEY}, or serve with a head (head=...).")
+    if extra_args.get(THRESHOLD_KEY) is not None and extra_args.get(POLICY_KEY) is None and not default_asks_head:
+        raise ValueError(f"{THRESHOLD_KEY} is the recall head's threshold, and this server's default policy does not "
+                         f"ask the head: add {POLICY_KEY} 'head' (or 'budget:RATE') beside it, or drop it.")
 
 
 # The keys of the served model's ``oda`` override (`ServingSettings.to_override`).
