@@ -390,12 +390,11 @@ def _check_no_interior_holes_under_sliding_windows(model, attention_mask) -> Non
     """Rows are decoded without their masked columns. A sliding-window layer's window counts columns, masked ones
     included, in stock generate(): without them it would reach further back, and the output would not be Full's
     (measured on Gemma 3 with two masked columns inside a prompt: every token differed, exit 0)."""
-    text_config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(text_config, "layer_types", None)
-    sliding = getattr(text_config, "sliding_window", None) is not None and (
-        "sliding_attention" in layer_types if layer_types else getattr(text_config, "use_sliding_window", True)
-        is not False)   # (the layer kinds when the config lists them: Qwen2 may set use_sliding_window for none)
-    if not sliding:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    # the layer kinds as OdaCache builds its layers from them (a Mistral-style sliding_window included)
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    if not {"sliding_attention", "chunked_attention"} & set(layer_types):
         return
     real = attention_mask.bool()
     first = real.int().argmax(dim=1)

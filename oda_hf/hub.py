@@ -10,7 +10,6 @@ oda_config.json), as `RecallHead.save_pretrained` does in a local folder.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 import tempfile
 
@@ -85,7 +84,7 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
               and any(fnmatch.fnmatch(path, pattern) for pattern in HEAD_WEIGHT_FILES)]
     replace: dict[str, str] = {}
     if CALIBRATION_NAME in on_hub and CALIBRATION_NAME not in names \
-            and _hub_sha256(on_hub.get(SAFE_WEIGHTS)) != _file_sha256(os.path.join(folder, SAFE_WEIGHTS)):
+            and _hub_sha256(on_hub.get(SAFE_WEIGHTS)) != _local_sha256(os.path.join(folder, SAFE_WEIGHTS)):
         delete.append(CALIBRATION_NAME)
         if ODA_CONFIG_NAME in on_hub:
             saved = api.hf_hub_download(repo_id, ODA_CONFIG_NAME, revision=revision, token=token)
@@ -119,11 +118,7 @@ def _hub_sha256(entry) -> str | None:
     return getattr(lfs, "sha256", None) if lfs is not None else None
 
 
-def _file_sha256(path: str) -> str | None:
-    if not os.path.isfile(path):
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _local_sha256(path: str) -> str | None:
+    from .known_models import file_sha256
+
+    return file_sha256(path) if os.path.isfile(path) else None

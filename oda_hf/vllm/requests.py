@@ -18,7 +18,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..validation import number, parse_policy_text
+from ..validation import number, parse_float, parse_policy_text
 
 POLICY_KEY = "oda_policy"
 THRESHOLD_KEY = "oda_threshold"
@@ -61,11 +61,9 @@ def _number(value, name: str) -> float:
     """A finite number; OpenAI's ``vllm_xargs`` may carry it as a string."""
     if isinstance(value, str):
         try:
-            if "_" in value:   # Python reads "1_0" as 10: a typo served as another threshold
-                raise ValueError
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a number; got {value!r}.") from None
+            value = parse_float(value)   # (strict: "1_0", which float() reads as 10, is refused)
+        except ValueError as err:
+            raise ValueError(f"{name} {err}") from None
     try:
         return number(name, value)
     except TypeError as err:

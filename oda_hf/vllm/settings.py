@@ -44,9 +44,13 @@ def add_admission_checks(vllm_config) -> None:
 
 def _default_asks_head(vllm_config) -> bool:
     """Whether the default policy of an ODA engine with a head reads the head's threshold (head, or a budget)."""
-    settings = vllm_config.model_config.hf_config.oda
-    policy = settings.get("policy")
-    return policy is None or str(policy).split(":")[0].strip() in ("head", "budget")
+    from ..validation import parse_policy_text
+
+    policy = vllm_config.model_config.hf_config.oda.get("policy")
+    try:
+        return policy is None or parse_policy_text(policy).kind in ("head", "budget")
+    except (TypeError, ValueError):   # refused, naming it, where the model is built (`ServingSettings`)
+        return True
 
 
 def check_no_speculative_decoding(speculative_config) -> None:
