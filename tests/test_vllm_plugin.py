@@ -251,14 +251,16 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     # eager: the fixture's first engine runs the compiled model; the server's own compile would add a minute here
     server = subprocess.Popen([oda, "serve", "--base", folder, "--head", gqa3["head"], "--sinks", str(SINKS),
                                "--window", str(WINDOW), "--port", str(port), "--", "--max-model-len", "1024",
-                               "--block-size", "32", "--seed", "0", "--enforce-eager"],
+                               "--block-size", "32", "--seed", "0", "--enforce-eager", "--api-key", "secret",
+                               "--root-path", "/api", "--allowed-origins", '["http://example.com"]',
+                               "--enable-request-id-headers"],
                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
                                    "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
                 break
             except OSError:
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
@@ -314,6 +316,24 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert status == 200 and choices == 2 and len(batch["requests"]) == 2, seen["batch_chat"]
     assert all(key.endswith(("_0", "_1")) for key in batch["requests"])
     assert all(r["policy"] == "schedule:1:2" and r["routed_steps"] == 4 for r in batch["requests"].values())
+    # behind vLLM's middlewares: the API key guards ODA's records and refusals; CORS and X-Request-Id headers kept
+    assert seen["unauthorized"] == [401, 401, 401]
+    assert seen["headers"] == {name: [status, "http://example.com", "hdrcheck"]
+                               for name, status in [("completion", 200), ("refusal", 400), ("routing", 200)]}
+    # SageMaker's /invocations: refused as the OpenAI paths refuse; the records of what it served
+    invocations = seen["invocations"]
+    assert [invocations[name][0] for name in ("top_level", "beam")] == [400, 400], invocations
+    assert "inside vllm_xargs" in invocations["top_level"][1]["error"]["message"]
+    for name, policy in [("completion", "local"), ("chat", "full")]:
+        status, answer = invocations[name]
+        (record,) = answer["oda_routing"]["requests"].values()
+        assert status == 200 and (record["policy"], record["routed_steps"]) == (policy, 3), invocations[name]
+    # under --root-path /api: a record in the response and by id, a misplaced key refused
+    in_response, (status, listed), refused = seen["root_path"]
+    assert status == 200 and listed["requests"] == in_response["requests"] and refused == 400
+    assert next(iter(listed["requests"].values()))["policy"] == "local"
+    status, (found, listed) = seen["responses_by_id"]   # the Responses API's "<id>_0" found by its id
+    assert status == found == 200 and [r["policy"] for r in listed["requests"].values()] == ["local"], listed
 
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):

@@ -393,10 +393,10 @@ class FinishedRecords:
 
 def _is_sub_request(rid: str, request_id: str) -> bool:
     """Whether `rid` is one prompt's request of the OpenAI response `request_id`: ``<id>_<i>`` for a chat response
-    (``chatcmpl-...``), ``<id>-<i>`` otherwise; never the other form (the request of caller id ``job-2`` is no part of
-    the chat response of ``job``)."""
+    (``chatcmpl-...``) and a Responses API one (``resp_...``), ``<id>-<i>`` otherwise; never the other form (the
+    request of caller id ``job-2`` is no part of the chat response of ``job``)."""
     rest = rid[len(request_id):] if rid.startswith(request_id) else ""
-    separator = "_" if request_id.startswith("chatcmpl-") else "-"
+    separator = "_" if request_id.startswith(("chatcmpl-", "resp_")) else "-"
     return len(rest) > 1 and rest[0] == separator and rest[1:].isdigit()
 
 

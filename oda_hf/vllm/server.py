@@ -13,6 +13,9 @@ this module's middleware, which adds:
 * ``oda_full_calls_total``, ``oda_decided_steps_total``, ``oda_routed_steps_total`` and
   ``oda_pooled_full_call_rate`` on ``/metrics``, over every request the engine has served.
 
+vLLM adds ``--middleware`` outside its own (API key, CORS, request id): ODA's own answers are sent through those
+first (`_through_vllm`), and paths are read without ``--root-path`` as vLLM's routes read them.
+
 A stop string is matched outside the engine, which has then run a step or more past it: every record counts only the
 steps of its returned tokens, as the front end counted them (`stats.ReturnedTokens`), except where two requests share
 a caller's id (both kept as run), for the samples of ``n > 1`` (the front end counts them under their parent's id: kept
@@ -34,8 +37,7 @@ import sys
 ROUTING_PATH = "/v1/oda/routing"
 BATCH_CHAT_PATH = "/v1/chat/completions/batch"   # vLLM's: a list of conversations, one choice (and request) each
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", BATCH_CHAT_PATH)
-# Every path that generates from a JSON body with vllm_xargs: a misplaced ODA key is refused on each.
-GENERATION_PATHS = (*COMPLETION_PATHS, "/v1/responses", "/v1/messages")
+INVOCATIONS_PATH = "/invocations"   # SageMaker's: a completion or chat body (`served_as`)
 
 
 async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
@@ -234,22 +236,55 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
     return None
 
 
+def route_path(scope: dict) -> str:
+    """A request's path as vLLM's routes read it: without the server's ``--root-path`` (which ``scope["path"]``
+    carries)."""
+    return scope["path"].removeprefix(scope.get("root_path") or "")
+
+
+def served_as(path: str, body) -> str:
+    """The endpoint that serves a request of `path`: SageMaker's ``/invocations`` hands a body with ``messages`` to
+    the chat handler and any other to the completion handler (vLLM tries chat first)."""
+    if path != INVOCATIONS_PATH:
+        return path
+    return "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+
+
+async def _through_vllm(request, call_next, answer):
+    """`answer`, a response of ODA's own, once vLLM's middlewares have passed the request (else theirs: 401 without
+    the ``--api-key``, 503 while scaling...), with the headers they add (CORS, ``X-Request-Id``). vLLM adds
+    ``--middleware`` outside its own, so ODA's answers would skip them: the request is sent through them to
+    `ROUTING_PATH`, which no route serves (the router's 404 means they let it pass)."""
+    scope = request.scope
+    kept = scope["path"], scope.get("raw_path")
+    scope["path"] = (scope.get("root_path") or "") + ROUTING_PATH
+    scope["raw_path"] = scope["path"].encode()
+    try:
+        probe = await call_next(request)
+    finally:
+        scope["path"], scope["raw_path"] = kept
+    if probe.status_code != 404:
+        return probe
+    async for _ in probe.body_iterator:   # (the router's 404, read to its end so that its task finishes)
+        pass
+    answer.headers.update(_passed_on(probe.headers))
+    return answer
+
+
+def _passed_on(headers) -> dict:
+    """Headers of an inner response that a rewritten body keeps (all but its length and type)."""
+    return {k: v for k, v in headers.items() if k.lower() not in ("content-length", "content-type")}
+
+
 async def oda_routing_middleware(request, call_next):
     """ASGI middleware for vLLM's API server (``--middleware oda_hf.vllm.server.oda_routing_middleware``)."""
     from starlette.responses import JSONResponse, Response
 
-    from .requests import counts_only, pooled, trimmed
+    from .requests import pooled, trimmed
 
-    path = request.url.path
+    path = route_path(request.scope)
     if path == ROUTING_PATH and request.method == "GET":
-        wanted = request.query_params.get("request_id")
-        if wanted is None:   # every record kept (up to FINISHED_KEPT): counts only, per-step lists by request id
-            records, _ = await _counted_records(request.app)
-            return JSONResponse(pooled(_by_caller_id({rid: counts_only(r) for rid, r in records.items()})))
-        records = _by_caller_id(returned_only(_matching((await _stats(request.app, wanted))["requests"], wanted)))
-        if not records:
-            return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
-        return JSONResponse(pooled(records))
+        return await _through_vllm(request, call_next, await _routing_answer(request))
     if path == "/metrics" and request.method == "GET":
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
@@ -267,16 +302,19 @@ async def oda_routing_middleware(request, call_next):
         return Response(body + ("\n".join(lines) + "\n").encode(), status_code=response.status_code,
                         headers=headers)
     asked = None   # the request's JSON body
-    if path in GENERATION_PATHS and request.method == "POST":
+    # Every JSON POST: vLLM serves generation bodies on more paths than the OpenAI ones (SageMaker's /invocations,
+    # /inference/v1/generate...), each ignoring a misplaced ODA key as the others do.
+    if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
         try:
             asked = json.loads(await request.body())
         except ValueError:   # not JSON: vLLM answers that itself
             pass
         why = refusal(asked, path)
         if why is not None:
-            return JSONResponse({"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}},
-                                status_code=400)
+            return await _through_vllm(request, call_next, JSONResponse(
+                {"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}}, status_code=400))
     response = await call_next(request)
+    path = served_as(path, asked)
     if path not in COMPLETION_PATHS or response.status_code != 200 or \
             not response.headers.get("content-type", "").startswith("application/json"):
         return response
@@ -300,7 +338,23 @@ async def oda_routing_middleware(request, call_next):
         records = {key: trimmed(record, usage["completion_tokens"] - 1)}
     if records:
         data["oda_routing"] = pooled(records)
-    return JSONResponse(data, status_code=response.status_code)
+    return JSONResponse(data, status_code=response.status_code, headers=_passed_on(response.headers))
+
+
+async def _routing_answer(request):
+    """``GET /v1/oda/routing[?request_id=ID]``'s answer."""
+    from starlette.responses import JSONResponse
+
+    from .requests import counts_only, pooled
+
+    wanted = request.query_params.get("request_id")
+    if wanted is None:   # every record kept (up to FINISHED_KEPT): counts only, per-step lists by request id
+        records, _ = await _counted_records(request.app)
+        return JSONResponse(pooled(_by_caller_id({rid: counts_only(r) for rid, r in records.items()})))
+    records = _by_caller_id(returned_only(_matching((await _stats(request.app, wanted))["requests"], wanted)))
+    if not records:
+        return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
+    return JSONResponse(pooled(records))
 
 
 # Flags `oda serve` sets itself: given again after `--` they would win and replace ODA's model class and settings (a
