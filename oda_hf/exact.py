@@ -36,6 +36,7 @@ from .cache import LOCAL, PREFILL, OdaCache, OdaGlobalLayer, OdaSlidingWindowLay
 from .packed_attention import packed_attention
 from .compat import cache_kwargs
 from .validation import integer, number
+from .policies import HeadPolicy
 
 #: Full's top two processed logits closer than this (float32; in lower precision `near_tie` widens it to the
 #: dtype's rounding): batched and single-token Full passes may round to different tokens there. Such verified
@@ -192,14 +193,14 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
     """Validate the exact-mode knobs against the model's routing (errors name what is supported)."""
     max_draft = integer("max_draft", DEFAULT_MAX_DRAFT if max_draft is None else max_draft, minimum=1, maximum=MAX_DRAFT_LIMIT,
                         meaning="drafted tokens per verification at most")
-    if verify_threshold is None:
-        verify_threshold = model.oda_config.threshold
+    policy = model.oda_config.routing_policy()
+    if verify_threshold is None:   # the routing threshold: a HeadPolicy(t)'s own t, else the config's
+        verify_threshold = policy.threshold if isinstance(policy, HeadPolicy) else model.oda_config.threshold
     verify_threshold = number("verify_threshold", verify_threshold, finite=False)
     if verify_threshold == -math.inf:
         raise ValueError("verify_threshold=-inf would verify every token: that is Full decoding, use oda_mode's "
                          "default with policy='full' instead.")
     use_head = math.isfinite(verify_threshold)
-    policy = model.oda_config.routing_policy()
     if use_head and (not policy.uses_head or model.recall_head is None):
         raise ValueError(
             f"oda_mode='exact' verifies when the recall head asks, but the routing policy is {policy!r}. Use "

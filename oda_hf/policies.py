@@ -75,7 +75,8 @@ class HeadPolicy(RoutingPolicy):
     uses_head = True
 
     def __init__(self, threshold: float | None = None):
-        self.threshold = None if threshold is None else float(threshold)   # (+-inf: never / always Full)
+        # (+-inf: never / always Full; NaN, a string or a bool refused: NaN > x is false, so it would never recall)
+        self.threshold = None if threshold is None else number("HeadPolicy threshold", threshold, finite=False)
 
     fast_path = True
 

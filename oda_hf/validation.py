@@ -58,6 +58,10 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).") from None
+    except OverflowError:   # an integer past the float range (10**400): infinite for every comparison below
+        if finite:
+            raise ValueError(f"{what}; got an integer too large for a float.") from None
+        value = math.inf if value > 0 else -math.inf
     if math.isnan(value) or (finite and math.isinf(value)):
         raise ValueError(f"{what}; got {value}.")
     if minimum is not None and (value <= minimum if exclusive_minimum else value < minimum):

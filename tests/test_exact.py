@@ -383,6 +383,23 @@ def test_exact_refuses_a_budget_it_would_not_apply():
         exact(model, torch.randint(3, 90, (1, 20)), max_new_tokens=4)
 
 
+def test_verification_defaults_to_the_head_policys_own_threshold():
+    """`verify_threshold` defaults to the routing threshold, which a ``HeadPolicy(t)`` sets: exact mode read the
+    config's threshold instead (verified at 0 under HeadPolicy(0.5): more Full passes than asked, same output)."""
+    from oda_hf import HeadPolicy
+
+    model = exact_model("qwen3", threshold=0.0)
+    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(3))
+    verified = {}
+    for threshold in (0.0, 0.5):
+        exact(model, ids, max_new_tokens=16, verify_threshold=threshold)
+        verified[threshold] = model.routing.head_verifications
+    assert verified[0.0] != verified[0.5]   # (the two thresholds verify differently on this model)
+    model.set_routing(policy=HeadPolicy(0.5))
+    exact(model, ids, max_new_tokens=16)
+    assert model.routing.verify_threshold == 0.5 and model.routing.head_verifications == verified[0.5]
+
+
 def test_exact_needs_the_head_unless_drafts_are_fixed():
     model = exact_model("qwen3")
     model.set_routing(policy="local")

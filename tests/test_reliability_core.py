@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
+from oda_hf import HeadPolicy, OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
 from oda_hf.cli import main, parse_policy
 from safetensors.torch import save_file
 
@@ -32,6 +32,7 @@ GOOD_VALUES = [
     (number, {}, 0.25, 0.25),
     (number, {}, np.float32(0.5), 0.5),
     (number, dict(minimum=0.0), 0, 0.0),
+    (number, dict(finite=False), -10**400, -math.inf),
     (probability, {}, 1, 1.0),
 ]
 
@@ -56,6 +57,7 @@ BAD_VALUES = [  # (check, bounds, value, error, message fragment)
     (number, dict(minimum=0.0, exclusive_minimum=True), 0.0, ValueError, "> 0; got 0"),
     (number, {}, "0.5", TypeError, "got '0.5' (str)"),
     (number, {}, None, TypeError, "got None (NoneType)"),
+    (number, {}, 10**400, ValueError, "must be a finite number; got an integer too large for a float"),
     (number, {}, False, TypeError, "(bool)"),
     (probability, {}, 1.5, ValueError, ">= 0 and <= 1 (a probability); got 1.5"),
 ]
@@ -123,6 +125,9 @@ def test_bad_policy_text(text, fragment):
     (lambda: RandomPolicy(0.5, seed=1.5), TypeError, "seed` must be an integer"),
     (lambda: OdaConfig(window=2048.0), ValueError, "`window` must be an integer"),
     (lambda: OdaConfig(threshold=math.inf), ValueError, "finite"),
+    (lambda: HeadPolicy(math.nan), ValueError, "`HeadPolicy threshold` must be a number; got nan"),
+    (lambda: HeadPolicy("0.0"), TypeError, "(str)"),
+    (lambda: HeadPolicy(True), TypeError, "(bool)"),
 ])
 def test_policy_and_config_objects_refuse_instead_of_coercing(make, error, fragment):
     with pytest.raises(error) as info:

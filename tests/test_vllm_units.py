@@ -728,6 +728,37 @@ def test_records_trimmed_to_the_returned_tokens():
     assert stats["routed_steps"] == 11
 
 
+def test_routing_stats_keeps_every_request_that_reused_an_id():
+    """`LLMEngine.add_request` / `AsyncLLM` take the caller's id: two requests run one after the other under one id
+    were keyed by it, the later replacing the earlier (its 29 steps gone from the pooled counts), and an earlier
+    output was given the later request's record (policy full for a local request, with exit 0)."""
+    from types import SimpleNamespace
+
+    from oda_hf.vllm import routing_stats
+
+    def record(policy, steps, full):
+        state = RequestState(RequestRouting(policy))
+        for _ in range(steps):
+            state.record(full, math.nan, decided_step=True)
+        return state.summary()
+
+    earlier, later = record("local", 29, False), record("full", 9, True)
+
+    class LLM:
+        def collective_rpc(self, name, kwargs=None):   # (the worker's caller_ids filter)
+            kept = {"x-8d924e91": earlier, "x-9864b33e": later, "y-0a1b2c3d": later}
+            wanted = (kwargs or {}).get("caller_ids")
+            return [{"requests": {rid: r for rid, r in kept.items() if not wanted or rid.split("-")[0] in wanted}}]
+
+    every = routing_stats(LLM())
+    assert every["requests"] == {"x": earlier, "x-9864b33e": later, "y": later} and every["routed_steps"] == 47
+    output = SimpleNamespace(request_id="x", outputs=[SimpleNamespace(index=0, token_ids=[7] * 30)])
+    with pytest.raises(ValueError, match=r"used the ids \['x'\].*without outputs"):
+        routing_stats(LLM(), [output])
+    output.request_id = "y"
+    assert routing_stats(LLM(), [output])["requests"] == {"y": later}
+
+
 def test_server_records_count_the_tokens_the_front_end_returned(monkeypatch):
     """/v1/oda/routing, /metrics and multi-choice responses counted the steps the engine ran past a stop string (the
     front end matches it, then aborts the request); now each record is cut to the tokens the front end counted for
@@ -857,14 +888,15 @@ def test_server_records_keep_requests_that_share_an_id_and_counters_never_fall(m
 
     from oda_hf.vllm.requests import FinishedRecords, pooled
     from oda_hf.vllm.runner import OdaRunnerMixin
-    from oda_hf.vllm.server import _by_caller_id, _matching
+    from oda_hf.vllm.requests import by_caller_id
+    from oda_hf.vllm.server import _matching
 
     local, full = (RequestState(RequestRouting(policy)) for policy in ("local", "full"))
     for _ in range(5):
         local.record(False)
         full.record(True)
     records = {"cmpl-retry-1-0-1a2b3c4d": local.summary(), "cmpl-retry-1-0-5e6f7a8b": full.summary()}
-    matched = _by_caller_id(_matching(records, "cmpl-retry-1"))
+    matched = by_caller_id(_matching(records, "cmpl-retry-1"))
     assert list(matched) == ["cmpl-retry-1-0", "cmpl-retry-1-0-5e6f7a8b"]
     assert sum(r["full_calls"] for r in matched.values()) == 5
 

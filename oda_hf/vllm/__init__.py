@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 
 from .requests import (  # noqa: F401
     FINISHED_KEPT,
     POLICY_KEY,
     THRESHOLD_KEY,
     RequestRouting,
+    by_caller_id,
     external_request_id,
     parse_policy,
     pooled,
@@ -186,13 +188,21 @@ def routing_stats(llm, outputs=None) -> dict:
     Per request: ``policy``, ``routed_steps`` (outputs after the first), ``decided_steps`` (those past sinks +
     window), ``full_calls``, ``full_call_rate`` (Full / decided), ``decisions`` and ``scores`` per routed step.
     A request with ``n > 1`` samples has one record per sample, keyed ``<k>_<request id>`` as vLLM names them.
+    Requests that shared an id (added one after another by `LLMEngine.add_request` or `AsyncLLM`) are all kept, the
+    later ones under their engine ids; with `outputs`, such an id is refused (an output does not say which it is).
     With `outputs`, each record counts only the steps of the tokens returned (`requests.trimmed`: after a stop string
     the engine has run a step or more that no output holds).
     """
     callers = None if outputs is None else [caller for out in outputs for caller in _caller_ids(out)]
     stats = llm.collective_rpc("oda_routing_stats", kwargs={"caller_ids": callers} if callers else None)[0]
-    by_request = {external_request_id(rid): value for rid, value in stats["requests"].items()}
+    by_request = by_caller_id(stats["requests"])
     if outputs is not None:
+        times = Counter(map(external_request_id, stats["requests"]))
+        shared = sorted(caller for caller, count in times.items() if count > 1)
+        if shared:   # (requests added one after another under one id, by `LLMEngine.add_request` or `AsyncLLM`)
+            raise ValueError(f"Several requests the engine kept used the ids {shared}: an output does not say which "
+                             "of them it is. Call routing_stats(llm) without outputs (the later requests keep their "
+                             "engine ids there), or give each request its own id.")
         chosen, missing = {}, []
         for out in outputs:
             records = records_of(by_request, out.request_id)  # one per sample of an n > 1 request

@@ -301,6 +301,16 @@ def cacheable_tokens(request) -> int:
     return request.__dict__.setdefault("oda_first_prompt_tokens", request.num_prompt_tokens)
 
 
+def by_caller_id(records: dict) -> dict:
+    """Engine-keyed records keyed by the ids callers know (vLLM's ``-<8 hex>`` suffix dropped). Two requests can
+    share one (an ``X-Request-Id`` header or a body ``request_id`` used twice): the later keeps its engine id."""
+    keyed = {}
+    for rid, value in records.items():
+        key = external_request_id(rid)
+        keyed[key if key not in keyed else rid] = value
+    return keyed
+
+
 def records_of(records: dict, request_id: str, sub_requests: bool = False, key=None) -> dict:
     """The routing records of one request: its own id, or one per sample when it asked for several (``n > 1``:
     vLLM serves each sample as a request with the id ``<k>_<id>``). `sub_requests`: also the per-prompt requests

@@ -150,18 +150,6 @@ def _newest_per_caller(records: dict) -> dict:
     return {rid: records[rid] for rid in newest.values()}
 
 
-def _by_caller_id(records: dict) -> dict:
-    """Engine-keyed records keyed by the ids callers know (vLLM's ``-<8 hex>`` suffix dropped). Two requests can
-    share one (an ``X-Request-Id`` header or a body ``request_id`` used twice): the later keeps its engine id."""
-    from .requests import external_request_id
-
-    keyed = {}
-    for rid, value in records.items():
-        key = external_request_id(rid)
-        keyed[key if key not in keyed else rid] = value
-    return keyed
-
-
 def _matching(records: dict, request_id: str) -> dict:
     """Records of one OpenAI response id (`records` and the result keyed by engine id): the id itself, its per-prompt
     ids (``ID-0``, ``ID-1``, ...) and the samples of each (``0_ID``, ``1_ID``, ... when the request asks for
@@ -280,7 +268,7 @@ async def oda_routing_middleware(request, call_next):
     """ASGI middleware for vLLM's API server (``--middleware oda_hf.vllm.server.oda_routing_middleware``)."""
     from starlette.responses import JSONResponse, Response
 
-    from .requests import pooled, trimmed
+    from .requests import by_caller_id, pooled, trimmed
 
     path = route_path(request.scope)
     if path == ROUTING_PATH and request.method == "GET":
@@ -330,7 +318,7 @@ async def oda_routing_middleware(request, call_next):
     else:
         mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
     await _counted(mine)
-    records = _by_caller_id(returned_only(mine))
+    records = by_caller_id(returned_only(mine))
     choices, usage = data.get("choices") or [], data.get("usage") or {}
     if len(records) == 1 and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
         # one output: its returned tokens are in the response (the engine runs past a stop string; `trimmed`)
@@ -345,13 +333,13 @@ async def _routing_answer(request):
     """``GET /v1/oda/routing[?request_id=ID]``'s answer."""
     from starlette.responses import JSONResponse
 
-    from .requests import counts_only, pooled
+    from .requests import by_caller_id, counts_only, pooled
 
     wanted = request.query_params.get("request_id")
     if wanted is None:   # every record kept (up to FINISHED_KEPT): counts only, per-step lists by request id
         records, _ = await _counted_records(request.app)
-        return JSONResponse(pooled(_by_caller_id({rid: counts_only(r) for rid, r in records.items()})))
-    records = _by_caller_id(returned_only(_matching((await _stats(request.app, wanted))["requests"], wanted)))
+        return JSONResponse(pooled(by_caller_id({rid: counts_only(r) for rid, r in records.items()})))
+    records = by_caller_id(returned_only(_matching((await _stats(request.app, wanted))["requests"], wanted)))
     if not records:
         return JSONResponse({"error": f"no ODA routing record for request {wanted!r}"}, status_code=404)
     return JSONResponse(pooled(records))
