@@ -12,6 +12,7 @@ and `_prepare_cache_for_generation` installs an `OdaCache`.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 import os
 
 import torch
@@ -515,7 +516,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             if local_hidden is not None:
                 cache.prepare_full_retry()
             cache.set_mode(FULL)
-            with packed_attention(self):  # stock static's kernel form, not enable_gqa's (packed_attention.py)
+            # A recalled step: stock static's kernel form, not enable_gqa's (packed_attention.py); always-Full (no
+            # Local pass): transformers' own choice, so that its output is stock generate()'s bit for bit.
+            with packed_attention(self) if local_hidden is not None else nullcontext():
                 out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids,
                               **cache_kwargs(cache), use_cache=True, **kwargs)
             full_hidden = out.last_hidden_state[:, -1]

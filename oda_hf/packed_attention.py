@@ -7,7 +7,8 @@ otherwise. On CPU the first is ~20% slower per call than the packed form, and th
 per layer: for a 4-token pass over 7K positions that copy costs more than the attention itself. Two ODA passes
 hit those forms:
 
-* the always-Full / recalled single-token step without padding (no mask: ``enable_gqa``), and
+* a recalled single-token step without padding (no mask: ``enable_gqa``; always-Full keeps transformers' form, so
+  that it stays stock ``generate()`` bit for bit), and
 * exact decoding's verification pass, several tokens with a causal mask (``repeat_kv``).
 
 `packed_sdpa_forward` stacks the query heads per KV head for both (the mask, when there is one, is repeated per
