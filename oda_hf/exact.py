@@ -443,7 +443,10 @@ def decode_after_prefill(model, drafts, prompt: list[int], last_hidden: torch.Te
         probs = torch.softmax(scores, dim=-1)
         return sample_from(probs, float(torch.rand(()))), probs
 
-    final.append(choose(processed(final, model.lm_logits(last_hidden[-1:])[0]))[0])
+    first = processed(final, model.lm_logits(last_hidden[-1:])[0])
+    if not sampling:   # the prefill's token, computed unpadded: in bfloat16 it may differ from a padded batch's too
+        record.near_ties[row] += greedy_verify([], first[None], last_hidden.dtype)[2]
+    final.append(choose(first)[0])
     pending: list[int] = []
     pending_probs: list[torch.Tensor] = []
     while True:

@@ -264,6 +264,28 @@ def test_bfloat16_greedy_differs_from_stock_only_where_a_near_tie_is_counted(see
     assert torch.equal(out, expected) or model.routing.total("near_ties") > 0
 
 
+def test_bfloat16_first_token_of_a_padded_row_counts_its_near_tie():
+    """The first token comes from the row's own unpadded prefill: in bfloat16 stock's padded batch had top two logits
+    0.8164 / 0.8125 (token 67), the row alone an exact tie (token 58), and no near tie was counted."""
+    base = tiny_model("gemma3", seed=6, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+    base = base.to(torch.bfloat16)
+    with torch.no_grad():
+        base.get_output_embeddings().weight.mul_(0.5)
+    torch.manual_seed(6)
+    model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
+                           OdaConfig(sinks=SINKS, window=4))
+    ids = torch.randint(3, 97, (3, 24), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :15] = mask[2, :6] = 0
+    ids[mask == 0] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                         oda_mode="exact")
+    expected = base.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    differs = [row for row in range(3) if not torch.equal(out[row], expected[row])]
+    assert differs == [0]   # (the case this test is about: the tie went the other way)
+    assert model.routing.near_ties == [1, 1, 0]   # (row 1: a near tie that went the way stock's did)
+
+
 def full_next_token_distribution(base, prefix, temperature):
     with torch.no_grad():
         logits = base(prefix).logits[0, -1] / temperature
