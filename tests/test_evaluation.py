@@ -639,6 +639,21 @@ def test_reports_leave_out_matched_random_records_drawn_at_an_outdated_rate(tmp_
     assert all(r["p"] == rates[r["task"]] for r in kept if r["kind"] == "random")
 
 
+def test_reports_leave_out_random_records_of_shared_draws_beside_per_example_ones(tmp_path):
+    """A fixed-rate Random policy run before per-example draws (one generator seed for every prompt) and again over
+    other prompts since: one report row averaged the two protocols (SmolLM2's budget folder: 33 records of each
+    seed drawn the old way beside 55 drawn the new way, reported together, with exit 0)."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    suite, path = _suite(n_per_task=3), tmp_path / "results.jsonl"
+    records = runner.evaluate(model, tokenizer, suite, [runner.random_fixed(0.5, 42)], path, progress=False)
+    assert all(runner.draws_per_example(r) for r in records)
+    older = [{**r, "settings": {k: v for k, v in r["settings"].items() if k != "random_draws"}}
+             for r in records if not r["id"].endswith("/0")]   # as a run before per-example draws wrote them
+    newer = [r for r in records if r["id"].endswith("/0")]
+    assert runner.current_records(older + newer) == newer
+    assert runner.current_records(older) == older   # alone, the older protocol is what the folder holds
+
+
 def test_a_rerun_over_fewer_prompts_does_not_hide_the_control_drawn_for_all(tmp_path):
     """Run over 3 prompts per task, then over the first one only into the same folder: the second run redraws the
     first prompts' controls at ODA's rate over them; the report over the file (ODA on all 3) keeps, per pair, the
@@ -1007,6 +1022,10 @@ def test_cli_eval_table_and_trajectories_show_the_same_default_threshold(tmp_pat
     report = (out / "report.md").read_text()
     assert "θ=0.05)" in report and "θ=-0.05)" not in report.split("## Quality")[1].split("\n\n")[1]
     assert "oda@0.05" in (out / "trajectories" / "niah_single_1_0.html").read_text()
+    # rebuilt from the folder: the same main table (it took the lowest threshold, -0.05, and its numbers)
+    args = parser.parse_args(["eval", "--out", str(out), "--report-only", "--no-plots"])
+    assert args.func(args) == 0
+    assert (out / "report.md").read_text() == report
 
 
 def test_cli_eval_and_diagnose(tmp_path):

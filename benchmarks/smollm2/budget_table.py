@@ -4,8 +4,8 @@
         benchmarks/results/smollm2/baselines/2048 benchmarks/results/smollm2/oda-test/2048 \\
         benchmarks/results/smollm2/calibrate-rate25/test_records.jsonl --out benchmarks/results/smollm2/budget.md
 
-reads `results.jsonl` of each folder (or a JSONL file of records), keeps the prompts every folder has (the budget
-run's), and writes one table: per policy group the macro score, the pooled Full-call rate over decided steps, and
+reads `results.jsonl` of each folder (or a JSONL file of records), keeps the budget run's prompts (those its last
+run reported, as its manifest records them; else every prompt of its folder), and writes one table: per policy group the macro score, the pooled Full-call rate over decided steps, and
 the highest rate of any single request (what a budget must bound).
 """
 
@@ -16,7 +16,7 @@ import math
 import os
 
 from oda_hf.evaluation.report import summarize
-from oda_hf.evaluation.runner import ResultsFile
+from oda_hf.evaluation.runner import ResultsFile, read_last_run
 
 
 def records_of(path: str) -> list[dict]:
@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--groups", nargs="+", default=None, help="policy groups to show (default: all)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    prompts = {r["id"] for r in records_of(args.sources[0])}
+    last = read_last_run(os.path.join(args.sources[0], "manifest.json")) if os.path.isdir(args.sources[0]) else None
+    prompts = {r["id"] for r in records_of(args.sources[0])} if last is None else set(last["examples"])
     records, seen = [], set()
     for source in args.sources:  # one record per (prompt, policy): the first source's (e.g. Random seed 42 twice)
         for record in records_of(source):

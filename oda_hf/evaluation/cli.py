@@ -265,7 +265,18 @@ def _run_eval(args) -> int:
             records = runner.ResultsFile(results_path, repair=False).current()
         if not records:
             raise UsageError(f"--report-only: {results_path} holds no records; run without --report-only first.")
-        paths = _write_report(report, records, out, args.primary_threshold, not args.no_plots)
+        primary = args.primary_threshold
+        last = runner.read_last_run(os.path.join(out, MANIFEST_FILE))
+        if last is not None:
+            if primary is None and any(r["kind"] == "oda" and r["threshold"] == last["primary_threshold"]
+                                       for r in records):
+                primary = last["primary_threshold"]   # the run's main table, not the lowest threshold held
+            others = {r["id"] for r in records} - set(last["examples"])
+            if others:
+                print(f"[oda eval] --report-only: {len(others)} of the {len({r['id'] for r in records})} examples "
+                      "reported were not in the last run (records of earlier runs into this folder); the last run's "
+                      "report covered its own only.", file=sys.stderr)
+        paths = _write_report(report, records, out, primary, not args.no_plots)
         print("\n".join(f"[oda eval] wrote {p}" for p in paths.values()), file=sys.stderr)
         return 0
     if not args.data:
@@ -326,6 +337,7 @@ def _run_eval(args) -> int:
     except ValueError as err:  # the data, --out's records or manifest disagree with this run: the message says how
         raise UsageError(first_line(err)) from None
     paths = _write_report(report, records, out, primary, not args.no_plots)
+    runner.record_last_run(os.path.join(out, MANIFEST_FILE), [r["id"] for r in records], primary)
     if args.trajectories:
         name = runner.oda(primary).name
         folder = os.path.join(out, "trajectories")

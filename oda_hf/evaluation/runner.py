@@ -356,6 +356,29 @@ def read_manifest_settings(path: str | os.PathLike) -> dict:
     return saved["settings"]
 
 
+def record_last_run(path: str | os.PathLike, example_ids: Sequence[str], primary_threshold: float | None) -> None:
+    """Note in the manifest at `path` which examples the last run reported and its main table's ODA threshold:
+    ``--report-only`` rebuilds that table from them (a folder can hold examples of earlier runs, and ODA thresholds
+    the last run did not put first)."""
+    from ..files import write_json
+
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    manifest["last_run"] = {"examples": list(dict.fromkeys(example_ids)), "primary_threshold": primary_threshold}
+    write_json(path, manifest, indent=1)
+
+
+def read_last_run(path: str | os.PathLike) -> dict | None:
+    """The manifest's ``last_run`` (`record_last_run`), or None (none recorded, or no manifest)."""
+    try:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            last = json.load(f).get("last_run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return last if isinstance(last, dict) and isinstance(last.get("examples"), list) else None
+
+
 def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
     """Error naming the differing keys if an existing manifest at `path` has other settings."""
     path = os.fspath(path)
@@ -811,12 +834,18 @@ def current_matched_rates(records: Iterable[dict]) -> dict[float, dict[str, floa
 
 def current_records(records: Iterable[dict], versions: dict[tuple[str, str], list[dict]] | None = None) -> list[dict]:
     """`records` without the matched Random records drawn at a rate that is not ODA's per-task rate over them (left
-    by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run.
+    by a run over fewer prompts and not redrawn yet): reported, they would pose as the control of another ODA run;
+    and without a Random policy's records of shared draws where it has records of per-example draws.
 
     `versions` (`ResultsFile.versions`): every record of each pair. A stale matched record is then replaced by the
     pair's newest earlier record at the current rate, if there is one (a rerun over fewer prompts into the same
     folder redraws the control at their rate, and that must not hide the records drawn for all of them)."""
     records = list(records)
+    # A Random policy's records drawn one way (the example's own draws) supersede those of other examples drawn the
+    # older way (one generator seed for every prompt): reported together, one row would average two protocols.
+    per_example = {r["policy"] for r in records if r.get("kind") == "random" and draws_per_example(r)}
+    records = [r for r in records if not (r.get("kind") == "random" and r["policy"] in per_example
+                                          and not draws_per_example(r))]
     rates = current_matched_rates(records)
     kept = []
     for record in records:
