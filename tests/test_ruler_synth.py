@@ -301,6 +301,12 @@ def test_a_length_folder_loads_as_one_suite(tmp_path, suite):
     ruler_synth.write_suite(suite, tmp_path)
     loaded = load_examples(tmp_path / "1024")
     assert sorted(e.id for e in loaded) == sorted(e.id for e in suite if e.meta["length"] == 1024)
+    # the folder of every length: each task would average its 1,024- and 2,048-token prompts into one score
+    with pytest.raises(ValueError, match=r"holds prompts of several lengths \(1024, 2048; 11 task\(s\) so\)"):
+        load_examples(tmp_path)
+    from oda_hf.evaluation.suites import select_examples   # as `oda eval --data A B` joins its paths
+    with pytest.raises(ValueError, match="several lengths"):
+        select_examples(loaded + load_examples(tmp_path / "2048"), None, None)
 
 
 def test_kjv_export_names_the_debian_packages_when_the_program_is_missing():

@@ -481,6 +481,16 @@ def select_examples(examples: list[EvalExample], tasks: Sequence[str] | None, li
         chosen = {id(example) for task_examples in by_task.values()
                   for example in spread_subset(task_examples, limit)}
         examples = [example for example in examples if id(example) in chosen]
+    lengths: dict[str, set] = {}
+    for example in examples:   # `oda ruler`'s: a target length (RULER's and LongBench's own vary per prompt)
+        if str(example.meta.get("generator", "")).startswith(GENERATED_PREFIX):
+            lengths.setdefault(example.task, set()).add(example.meta.get("length"))
+    mixed = {task: sorted(found) for task, found in lengths.items() if len(found) > 1}
+    if mixed:   # one report row per task averages its examples: across lengths, that is no length's score
+        task, found = next(iter(mixed.items()))
+        raise ValueError(f"Task {task!r} holds prompts of several lengths ({', '.join(map(str, found))}; "
+                         f"{len(mixed)} task(s) so): a report averages a task's prompts into one score. Give one "
+                         "length's folder (an `oda ruler` folder has one per length, e.g. DATA/4096) per run.")
     ids = [e.id for e in examples]
     if len(set(ids)) != len(ids):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})[:5]
