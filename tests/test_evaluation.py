@@ -425,6 +425,22 @@ def test_diagnostics_analysis_and_report(tmp_path):
     assert os.path.getsize(paths["budget_curve"]) > 1000
 
 
+def test_diagnostics_say_what_they_could_not_score():
+    """A sequence within s + w + 1 tokens has no eligible position and a start past a sequence's end none either:
+    both were dropped with exit 0 and the report counted only the rest."""
+    model = oda_model("qwen3")   # s + w = 6
+    ids = torch.randint(3, VOCAB, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    with pytest.raises(ValueError, match=r"reference 'long': start 40 is past its last position with a next token "
+                                         r"\(15; it has 16 tokens\)"):
+        diagnostics.reference_gains(model, ids, start=40, history="full", doc_id="long")
+    records = [diagnostics.reference_gains(model, ids, history="full"),
+               diagnostics.reference_gains(model, ids[:7], history="full")]
+    assert [len(r) for r in records] == [9, 0]
+    result = diagnostics.analyze(records, n_resamples=10, seed=3, progress=False)
+    assert result["documents"] == 1 and result["documents_without_positions"] == 1
+    assert "(1 more sequences had none: at most s + w + 1 tokens)" in diagnostics.markdown(result)
+
+
 def test_diagnostics_keep_one_run_per_positions_file(tmp_path):
     """New documents computed with another geometry into a positions file are refused, and a file that mixes runs
     anyway (written by hand, or by an older oda_hf) is refused on reading, so no analysis pools them."""

@@ -160,10 +160,14 @@ def reference_gains(model, input_ids, *, start: int | None = None, count: int | 
         raise ValueError(f"reference {doc_id!r}: token id {int(ids.max())} is outside the model's vocabulary of "
                          f"{vocabulary} ids.")
     first = config.sinks + config.window + 1
+    given = start is not None
     start = first if start is None else int(start)
     if start < first:
         raise ValueError(f"Position {start} is not eligible: Local and Full coincide up to s + w = {first - 1}.")
     last = len(ids) - 1  # x_{t+1} must exist
+    if given and start > last:   # (without a start, a sequence too short to score is counted in the report)
+        raise ValueError(f"reference {doc_id!r}: start {start} is past its last position with a next token "
+                         f"({last}; it has {len(ids)} tokens).")
     if count is not None:
         last = min(last, start + int(count) - 1)
     theta = config.threshold if threshold is None else float(threshold)
@@ -411,6 +415,7 @@ def analyze(records: Sequence[ReferencePositions], *, budgets: Sequence[float] =
         return [np.asarray(low).tolist(), np.asarray(high).tolist()]
 
     result = {"documents": len(pooled.documents), "positions": int(len(gains)), "history": records[0].history,
+              "documents_without_positions": sum(1 for record in records if not len(record)),
               "sinks": records[0].meta.get("sinks"), "window": records[0].meta.get("window"),
               "threshold": records[0].meta.get("threshold"), "methods": methods, "budgets": budgets,
               "main_budget": float(main_budget), "n_resamples": n_resamples, "seed": seed, "level": level,
@@ -475,7 +480,9 @@ def markdown(result: dict) -> str:
     budget = result["main_budget"]
     lines = ["# Fixed-reference diagnostics", "",
              f"{result['documents']} reference sequences, {result['positions']} eligible positions "
-             f"(s={result['sinks']}, w={result['window']}); history: {result['history']}"
+             + (f"({result['documents_without_positions']} more sequences had none: at most s + w + 1 tokens) "
+                if result.get("documents_without_positions") else "")
+             + f"(s={result['sinks']}, w={result['window']}); history: {result['history']}"
              + (f" (head threshold {result['threshold']:g})" if result["history"] == "selected" else "")
              + f". Gain g_t = log pF(x_t+1) − log pL(x_t+1); positive benefit is g_t > 0. Intervals: {level}% "
              f"paired document-bootstrap, {result['n_resamples']} resamples, seed {result['seed']}.", "",
