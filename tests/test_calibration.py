@@ -54,7 +54,9 @@ def test_target_rate_is_the_closest_dev_rate_not_above_it_and_is_saved_with_the_
     # the rate is a real generation's: an independent run at the chosen threshold realises it
     again = runner.evaluate(model, None, dev, [runner.oda(chosen["threshold"])], tmp_path / "check.jsonl",
                             progress=False)
-    assert sum(r["full_calls"] for r in again) / sum(r["routed_steps"] for r in again) == chosen["pooled_full_call_rate"]
+    decided = sum(r["routed_steps"] - r["window_steps"] for r in again)
+    assert sum(r["full_calls"] for r in again) / decided == chosen["pooled_full_call_rate"]
+    assert all(s["full_calls"] / s["decided_steps"] == s["pooled_full_call_rate"] for s in result["sweep"])
     assert result["test"]["threshold"] == chosen["threshold"] and 0 <= result["test"]["pooled_full_call_rate"] <= 1
 
     head_dir = head_folder(model, tmp_path / "head")

@@ -79,7 +79,10 @@ def _sweep_entries(records: list[dict], stage: dict[float, str]) -> list[dict]:
                             "pooled_full_call_rate": group.pooled_rate.mean,
                             "task_averaged_full_call_rate": group.task_averaged_rate.mean,
                             "macro_score": group.score.mean, "full_calls": group.full_calls,
-                            "routed_steps": group.routed_steps})
+                            # the pooled rate's denominator: routed steps past sinks + window (ODA makes no Full
+                            # call within them)
+                            "routed_steps": group.routed_steps,
+                            "decided_steps": group.routed_steps - group.window_steps})
     return sorted(entries, key=lambda s: s["threshold"])
 
 
