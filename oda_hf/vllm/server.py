@@ -239,10 +239,10 @@ def served_as(path: str, body) -> str:
 
 
 async def _through_vllm(request, call_next, answer):
-    """`answer`, a response of ODA's own, once vLLM's middlewares have passed the request (else theirs: 401 without
-    the ``--api-key``, 503 while scaling...), with the headers they add (CORS, ``X-Request-Id``). vLLM adds
-    ``--middleware`` outside its own, so ODA's answers would skip them: the request is sent through them to
-    `ROUTING_PATH`, which no route serves (the router's 404 means they let it pass)."""
+    """ODA's own response (`answer`, an async function making it) once vLLM's middlewares have passed the request
+    (else theirs: 401 without the ``--api-key``, 503 while scaling...), with the headers they add (CORS,
+    ``X-Request-Id``). vLLM adds ``--middleware`` outside its own, so ODA's answers would skip them: the request is
+    sent through them to `ROUTING_PATH`, which no route serves (the router's 404 means they let it pass)."""
     scope = request.scope
     kept = scope["path"], scope.get("raw_path")
     scope["path"] = (scope.get("root_path") or "") + ROUTING_PATH
@@ -255,8 +255,9 @@ async def _through_vllm(request, call_next, answer):
         return probe
     async for _ in probe.body_iterator:   # (the router's 404, read to its end so that its task finishes)
         pass
-    answer.headers.update(_passed_on(probe.headers))
-    return answer
+    response = await answer()
+    response.headers.update(_passed_on(probe.headers))
+    return response
 
 
 def _passed_on(headers) -> dict:
@@ -272,7 +273,7 @@ async def oda_routing_middleware(request, call_next):
 
     path = route_path(request.scope)
     if path == ROUTING_PATH and request.method == "GET":
-        return await _through_vllm(request, call_next, await _routing_answer(request))
+        return await _through_vllm(request, call_next, lambda: _routing_answer(request))
     if path == "/metrics" and request.method == "GET":
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
@@ -299,8 +300,10 @@ async def oda_routing_middleware(request, call_next):
             pass
         why = refusal(asked, path)
         if why is not None:
-            return await _through_vllm(request, call_next, JSONResponse(
-                {"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}}, status_code=400))
+            async def refused():
+                return JSONResponse({"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}},
+                                    status_code=400)
+            return await _through_vllm(request, call_next, refused)
     response = await call_next(request)
     path = served_as(path, asked)
     if path not in COMPLETION_PATHS or response.status_code != 200 or \
