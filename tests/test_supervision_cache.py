@@ -224,23 +224,25 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
         run.func(run)
 
 
-def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path):
+@pytest.mark.parametrize("length,last", [(dict(max_steps=3), 3),
+                                         (dict(num_train_epochs=1.5, gradient_accumulation_steps=3), 3)])
+def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path, length, last):
     """A run killed while saving its final head (or a finished run resumed again) resumes from the checkpoint that
-    holds all max_steps updates. transformers' loop checks for the end only after an update, so mid-epoch it ran one
+    holds all its updates. transformers' loop checks for the end only after an update, so mid-epoch it ran one
     more, and with OdaTrainer's constant learning rate that update changed the head (3 updates over 8 rows: the
-    resumed head had 4)."""
+    resumed head had 4). A run of 1.5 epochs (3 updates, the last mid-epoch) was not checked at all (only max_steps was)."""
     rows = packed_rows()
-    settings = dict(max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps",
-                    save_steps=1)
+    settings = {**dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps",
+                       save_steps=1), **length}
     whole = oda_model()
     start = copy.deepcopy(whole.recall_head.state_dict())
     OdaTrainer(model=whole, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows)).train()
     resumed = oda_model()
     assert all(torch.equal(a, b) for a, b in zip(resumed.recall_head.state_dict().values(), start.values()))
     trainer = OdaTrainer(model=resumed, args=args(tmp_path, **settings), train_dataset=PackedDataset(rows))
-    output = trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
-    assert output.global_step == trainer.state.global_step == 3
-    assert not (tmp_path / "checkpoint-4").exists()
+    output = trainer.train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{last}"))
+    assert output.global_step == trainer.state.global_step == last
+    assert not (tmp_path / f"checkpoint-{last + 1}").exists()
     for name, value in whole.recall_head.state_dict().items():
         assert torch.equal(resumed.recall_head.state_dict()[name], value), name
 

@@ -387,15 +387,20 @@ class OdaTrainer(Trainer):
         head, or a finished run resumed again): its head, and no update. transformers' loop checks for the end only
         after an update, so it would run one more, mid-epoch; with its default linear schedule at learning rate 0
         that changes nothing, but OdaTrainer's constant schedule would apply it."""
-        if not checkpoint or self.args.max_steps <= 0:
+        if not checkpoint:
             return None
         state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
-        if state.global_step < self.args.max_steps:
+        planned = self.args.max_steps
+        if planned <= 0:   # --epochs: this run's updates, counted as transformers counts them (when the checkpoint
+            # says its own run ended there: else the count, which builds a dataloader, is not needed)
+            if state.max_steps <= 0 or state.global_step < state.max_steps:
+                return None
+            planned = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        if state.global_step < planned:
             return None
         self._load_from_checkpoint(checkpoint)
         self.state = state
-        logger.info("%s already holds all %d updates (max_steps): nothing left to train.", checkpoint,
-                    self.args.max_steps)
+        logger.info("%s already holds all %d updates: nothing left to train.", checkpoint, planned)
         return TrainOutput(state.global_step, 0.0, {})
 
     def check_before_training(self, resume_from_checkpoint: str | bool | None = None):
