@@ -247,6 +247,31 @@ def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path, len
         assert torch.equal(resumed.recall_head.state_dict()[name], value), name
 
 
+def test_trainer_push_to_hub_publishes_the_head_not_a_checkpoint(tmp_path, monkeypatch):
+    """`OdaTrainingArguments(push_to_hub=True)` uploaded staged checkpoints (optimizer state, pickled
+    training_args.bin) at every save and then failed in transformers' card builder: it is refused, and
+    `trainer.push_to_hub()` publishes what `save_model` writes, in one commit."""
+    import transformers.utils.hub as hub
+
+    from test_head import FakeHubApi
+
+    with pytest.raises(ValueError, match=r"push_to_hub=True.*trainer.push_to_hub\(repo_id\)"):
+        args(tmp_path / "pushed", push_to_hub=True, hub_model_id="me/head")
+    fake = FakeHubApi()
+    monkeypatch.setattr(hub, "hf_api", lambda: fake)
+    model = oda_model()
+    trainer = OdaTrainer(model=model, args=args(tmp_path / "out", max_steps=1, hub_model_id="me/head"),
+                         train_dataset=PackedDataset(packed_rows()))
+    trainer.train()
+    trainer.push_to_hub()
+    assert fake.repos == ["me/head"]
+    assert set(fake.uploaded) == {"README.md", "config.json", "model.safetensors", "oda_config.json",
+                                  "oda_training.json", "training_args.json"}
+    trainer.save_model(str(tmp_path / "saved"))
+    assert all(fake.uploaded[name] == (tmp_path / "saved" / name).read_bytes()
+               for name in ("config.json", "model.safetensors", "oda_config.json"))
+
+
 def test_a_resumed_run_whose_remaining_updates_lack_supervision_finishes(tmp_path):
     """The end-of-training check (updates ran, none had an eligible position) counted this process's updates only:
     resumed where only an unsupervised row was left, it raised "No eligible position in the training data", and the

@@ -99,6 +99,11 @@ class OdaTrainingArguments(TrainingArguments):
         self._check_values()
         super().__post_init__()
         check_reduction(self.oda_loss_reduction)
+        if self.push_to_hub:
+            raise ValueError("OdaTrainingArguments(push_to_hub=True): the Trainer's own push uploads its checkpoints "
+                             "(optimizer state, pickles) and a card without ODA's provenance, not a head that loads by "
+                             "id. Train, then call trainer.push_to_hub(repo_id) (or model.push_to_hub(repo_id)), which "
+                             "publishes the head's files in one commit.")
         if getattr(self, "activation_checkpointing", False):
             raise ValueError("The backbone runs without gradients and the head is small: activation checkpointing "
                              "has nothing to save here; leave it off.")
@@ -527,6 +532,33 @@ class OdaTrainer(Trainer):
             publish_files(staging, output_dir, marker="config.json", replaces=HEAD_WEIGHT_FILES)  # no older shard stays
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def push_to_hub(self, repo_id: str | None = None, commit_message: str | None = "End of training",
+                    blocking: bool = True, token: str | None = None, revision: str | None = None,
+                    private: bool | None = None, **kwargs):
+        """Publish the head as `save_model` writes it (weights, config, routing config, card, training settings) to
+        `repo_id` (default: ``args.hub_model_id``, else the output folder's name) in one commit that also removes
+        what an older save left there (`hub.upload_saved_files`); transformers' push would upload a checkpoint's
+        optimizer state and pickles and build a card from the training module. `blocking` is accepted for
+        transformers' signature (the commit is always made before returning); `kwargs` (card fields) are not read."""
+        import tempfile
+
+        from transformers.utils.hub import hf_api
+
+        from ..hub import upload_saved_files
+
+        if kwargs:
+            raise TypeError(f"OdaTrainer.push_to_hub writes ODA's own model card; {sorted(kwargs)} would go unread.")
+        if not self.is_world_process_zero():
+            return None
+        token = token if token is not None else self.args.hub_token
+        repo_id = repo_id or self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        private = self.args.hub_private_repo if private is None else private
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self._save(folder)
+            return upload_saved_files(folder, sorted(os.listdir(folder)), repo_id, commit_message=commit_message,
+                                      token=token, revision=revision)
 
     # -- atomic checkpoints ---------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
