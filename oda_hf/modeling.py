@@ -112,7 +112,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                                  + (" (or head=None with a non-learned policy)." if name == "head" else "."))
         base, head = resolve_base(base), resolve_head(head)  # short names: "smollm2", "organism"
         if isinstance(base, (str, os.PathLike)):
-            base, head = _base_of_head_folder(os.fspath(base), head, kwargs)
+            base, head, head_kwargs = _base_of_head_folder(os.fspath(base), head, kwargs, head_kwargs)
             base = resolve_base(base)  # a head may record a short name as its base ("smollm2")
         given_head_object = isinstance(head, RecallHead) and oda_config is None and "threshold" not in routing
         if isinstance(head, (str, os.PathLike)):
@@ -655,11 +655,14 @@ def _load_head(name: str, head_kwargs: dict) -> RecallHead:
         ) from err
 
 
-def _base_of_head_folder(name: str, head, base_kwargs: dict):
-    """``(base, head)``: `name` itself when it is a base model; the base a recall head records when it is a head."""
+def _base_of_head_folder(name: str, head, base_kwargs: dict, head_kwargs: dict | None):
+    """``(base, head, head_kwargs)``: `name` itself when it is a base model; the base a recall head records when it
+    is a head, whose ``revision`` / ``subfolder`` in `base_kwargs` then name where the head is (moved into
+    `head_kwargs`; the base loads at the revision the head records) and whose other hub arguments (token,
+    cache_dir...) serve both."""
     model_type, values = read_model_type(name, base_kwargs)
     if model_type != HEAD_MODEL_TYPE:
-        return name, head
+        return name, head, head_kwargs
     if head is not None:
         raise ValueError(
             f"{name!r} is a recall head, and head= was given too. Pass the base model first and the head as head=..., "
@@ -674,10 +677,17 @@ def _base_of_head_folder(name: str, head, base_kwargs: dict):
     beside = os.path.join(os.path.expanduser(name), recorded)
     if not os.path.isabs(recorded) and not os.path.exists(recorded) and os.path.isdir(beside):
         recorded = beside  # a base path recorded relative to the head folder
-    if values.get("base_model_revision") and "revision" not in base_kwargs:
+    head_kwargs = dict(head_kwargs or {})
+    for key in ("revision", "subfolder"):   # (read_model_type found the head with them: its location, not the base's)
+        if key in base_kwargs:
+            head_kwargs.setdefault(key, base_kwargs.pop(key))
+    for key in HUB_KWARGS:
+        if key in base_kwargs:
+            head_kwargs.setdefault(key, base_kwargs[key])
+    if values.get("base_model_revision"):
         base_kwargs["revision"] = values["base_model_revision"]
     logger.info(f"Loading the base model {recorded!r} recorded by the recall head {name!r}.")
-    return recorded, name
+    return recorded, name, head_kwargs
 
 
 def _saved_oda_config(name: str, folder: str, head_kwargs: dict) -> OdaConfig | None:

@@ -78,6 +78,38 @@ def test_from_pretrained_of_a_head_folder_loads_the_recorded_base(tmp_path):
     assert torch.equal(model.routing.decisions, explicit.routing.decisions)
 
 
+def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypatch):
+    """`from_pretrained("me/head", revision="v2")`: the head's config was read at v2 (its recorded base found), but
+    the head itself loaded from main (other weights and threshold, exit 0) and the revision went to the base."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    base = tiny_model("qwen3", seed=0)
+    base.save_pretrained(tmp_path / "base")
+    loaded_base = type(base).from_pretrained(tmp_path / "base")
+    heads = {}
+    for name, seed, threshold in (("A", 1, 0.1), ("B", 2, 0.9)):
+        torch.manual_seed(seed)
+        heads[name] = RecallHead(RecallHeadConfig.for_base(loaded_base, head_width=8, sinks=2, window=4))
+        OdaForCausalLM(loaded_base, heads[name], OdaConfig(sinks=2, window=4, threshold=threshold)).save_pretrained(
+            tmp_path / name)
+    repo = tmp_path / "hub" / "models--me--head"   # an offline hub cache: main holds A (and B under sub/), v2 B
+    for commit, name in (("a" * 40, "A"), ("b" * 40, "B")):
+        shutil.copytree(tmp_path / name, repo / "snapshots" / commit)
+    shutil.copytree(tmp_path / "B", repo / "snapshots" / ("a" * 40) / "sub")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    (repo / "refs" / "v2").write_text("b" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for kwargs, expected, threshold in (({}, "A", 0.1), ({"revision": "v2"}, "B", 0.9), ({"subfolder": "sub"}, "B", 0.9)):
+        model = OdaForCausalLM.from_pretrained("me/head", **kwargs)
+        assert model.oda_config.threshold == threshold, kwargs
+        assert all(torch.equal(model.recall_head.state_dict()[k], v) for k, v in heads[expected].state_dict().items())
+
+
 def test_auto_classes_know_the_recall_head_and_registration_is_idempotent(tmp_path):
     RecallHead(RecallHeadConfig(hidden_size=32, head_width=8)).save_pretrained(tmp_path)
     register_auto_classes()  # `import oda_hf` did it once; again must not raise
