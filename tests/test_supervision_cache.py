@@ -247,6 +247,19 @@ def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path, len
         assert torch.equal(resumed.recall_head.state_dict()[name], value), name
 
 
+def test_a_head_made_from_the_base_config_records_the_weights_it_trains_on(tmp_path):
+    """README's recipe passes the base's name to `RecallHeadConfig.for_base`, which fingerprints only a loaded model:
+    the trained head recorded no base weights, and attached to another base of the same shapes it said nothing."""
+    from oda_hf.head import base_fingerprint
+
+    model = oda_model()
+    head = RecallHead(RecallHeadConfig.for_base(model.base_model.config, head_width=8))
+    assert head.config.base_fingerprint is None
+    model.set_head(head)
+    OdaTrainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=PackedDataset(packed_rows()))
+    assert head.config.base_fingerprint == base_fingerprint(model.base_model) is not None
+
+
 def test_trainer_push_to_hub_publishes_the_head_not_a_checkpoint(tmp_path, monkeypatch):
     """`OdaTrainingArguments(push_to_hub=True)` uploaded staged checkpoints (optimizer state, pickled
     training_args.bin) at every save and then failed in transformers' card builder: it is refused, and

@@ -50,6 +50,7 @@ from ..config import CALIBRATION_NAME, OdaConfig
 from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..head import HEAD_WEIGHT_FILES
+from ..head import base_fingerprint as weights_fingerprint
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -271,6 +272,12 @@ class OdaTrainer(Trainer):
         head_config = model.recall_head.config
         head_config.sinks, head_config.window = self.oda_sinks, self.oda_window
         head_config.oda_lambda, head_config.tau_hist = args.oda_lambda, args.oda_tau_hist
+        # The weights the head learns to read: `for_base` records them only when given a loaded model (a head made
+        # from the base's name held none, so using it on another base went unnoticed).
+        head_config.base_fingerprint = weights_fingerprint(model.base_model)
+        if not head_config.base_model_name_or_path:
+            name = getattr(model.config, "_name_or_path", None) or None
+            head_config.base_model_name_or_path = short_name_of(name) or name
         module = self.training_module_class(model, sinks=self.oda_sinks, window=self.oda_window,
                                             oda_lambda=args.oda_lambda, tau_hist=args.oda_tau_hist,
                                             lm_chunk=args.oda_lm_chunk)
