@@ -260,6 +260,25 @@ def test_a_head_made_from_the_base_config_records_the_weights_it_trains_on(tmp_p
     assert head.config.base_fingerprint == base_fingerprint(model.base_model) is not None
 
 
+def test_training_a_calibrated_head_drops_its_threshold_wherever_it_is_saved(tmp_path):
+    """A head loaded from a folder `oda calibrate` wrote (threshold 0.425), trained, then saved to a new folder (its
+    checkpoints, save_model, the model's save_pretrained): each kept 0.425, chosen for the weights before training."""
+    from oda_hf.evaluation.calibration import save_calibration
+
+    model = oda_model()
+    model.save_pretrained(tmp_path / "calibrated")
+    save_calibration(tmp_path / "calibrated", OdaConfig(sinks=S, window=W), {"chosen": {"threshold": 0.425}})
+    model = OdaForCausalLM.from_pretrained(model.base_model, head=str(tmp_path / "calibrated"))
+    assert model.oda_config.threshold == 0.425
+    trainer = OdaTrainer(model=model, args=args(tmp_path / "out", max_steps=1, save_strategy="steps", save_steps=1),
+                         train_dataset=PackedDataset(packed_rows()))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    model.save_pretrained(tmp_path / "wrapper")
+    for folder in ("out/checkpoint-1", "saved", "wrapper"):
+        assert json.loads((tmp_path / folder / "oda_config.json").read_text())["threshold"] == 0.0, folder
+
+
 def test_trainer_push_to_hub_publishes_the_head_not_a_checkpoint(tmp_path, monkeypatch):
     """`OdaTrainingArguments(push_to_hub=True)` uploaded staged checkpoints (optimizer state, pickled
     training_args.bin) at every save and then failed in transformers' card builder: it is refused, and

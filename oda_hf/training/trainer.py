@@ -46,7 +46,7 @@ from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from ..config import CALIBRATION_NAME, OdaConfig
+from ..config import CALIBRATION_NAME, ODA_CONFIG_NAME, OdaConfig
 from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..head import HEAD_WEIGHT_FILES
@@ -383,6 +383,7 @@ class OdaTrainer(Trainer):
     # -- a dataset without supervision is an error, not a silent no-op --------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume_from_checkpoint = self.check_before_training(resume_from_checkpoint)
+        self._drop_calibrated_threshold()
         finished = self._finished_checkpoint(resume_from_checkpoint)
         if finished is not None:
             return finished
@@ -393,6 +394,27 @@ class OdaTrainer(Trainer):
                 and self.skipped_updates > 0:
             raise ValueError(self._no_supervision_message("the training data"))
         return output
+
+    def _drop_calibrated_threshold(self) -> None:
+        """A head loaded from a calibrated folder routes at the threshold `oda calibrate` chose for its weights
+        there; trained, those weights change, and every save (a checkpoint, the final head, the model's
+        save_pretrained into a new folder) would have kept a threshold measured on others: the default instead."""
+        model = self.oda_model
+        source = getattr(model.recall_head, "_oda_source_folder", None)
+        if not source or not os.path.isfile(os.path.join(source, CALIBRATION_NAME)):
+            return
+        try:
+            calibrated = OdaConfig.from_json_file(os.path.join(source, ODA_CONFIG_NAME)).threshold
+        except (OSError, ValueError):
+            calibrated = None
+        if calibrated is None or model.oda_config.threshold != calibrated:
+            return   # a threshold the caller chose is theirs
+        default = OdaConfig().threshold
+        if calibrated != default:
+            logger.warning(f"The head was loaded from a calibrated folder ({source}, threshold {calibrated:g}); training "
+                           f"changes its weights, so it routes and is saved at the default threshold {default:g}: run "
+                           "`oda calibrate` on the trained head.")
+        model.set_routing(threshold=default)
 
     def _finished_checkpoint(self, checkpoint) -> TrainOutput | None:
         """Resuming from a checkpoint that already holds all `max_steps` updates (a run killed while saving its final
