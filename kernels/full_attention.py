@@ -115,8 +115,12 @@ if HAS_TRITON:
         dk_ok = dk < HEAD_DIM_K
         dv_ok = dv < HEAD_DIM_V
         heads = kvh * GROUP + g
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dk[None, :] * s_qd,
-                    mask=g_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32) * scale
+        q_in = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dk[None, :] * s_qd,
+                       mask=g_ok[:, None] & dk_ok[None, :], other=0.0)
+        # `tl.dot` takes q in the cache's dtype: scaled first, it would be rounded once more there (1/sqrt(128) is
+        # no power of two: bfloat16 logits of ~40 then off by up to 0.07), so the FP32 product is scaled, as SDPA's
+        # and FlashAttention's kernels do
+        q = q_in.to(tl.float32) * scale
 
         running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -130,7 +134,7 @@ if HAS_TRITON:
             v = tl.load(v_ptr + b * s_vb + kvh * s_vh + c[:, None] * s_vc + dv[None, :] * s_vd,
                         mask=ok[:, None] & dv_ok[None, :], other=0.0)
             if USE_DOT:
-                scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_N]
+                scores = tl.dot(q_in.to(k.dtype), tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
             else:
                 k = k.to(tl.float32)
                 scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
