@@ -5,9 +5,10 @@ the current one included): the sinks ``0 .. min(s, n) - 1`` and the window ``max
 cache already holds every position, so Local gathers those ``s + w`` slots through the row's block table: no second
 copy of the history, and the bytes read equal a ring's.
 
-`paged_local_attention` is the plain PyTorch reference; the served path (`LocalGather`) computes the flat cache
-indices of a step's Local reads once and every layer then takes them with one gather for keys and one for values,
-followed by SDPA with the validity mask.
+`paged_local_attention` is the plain PyTorch reference; the served path (`LocalGather`) finds the blocks and offsets
+of a step's Local reads once and every layer then reads them with one gather for keys and one for values (through
+strided views of its cache; flat element indices for the AMX kernels' packed layout), followed by SDPA with the
+validity mask.
 
 `oda_attention_impl_class` derives, from the backend's own impl class, one whose `forward` splits the tokens of the
 current step: the rows the step plan marks Local attend here, every other token goes through the backend's native
@@ -175,12 +176,19 @@ def check_local_layouts(model) -> None:
 
 @dataclass
 class LocalGather:
-    """The flat cache indices and mask of one step's Local reads, built once and shared by every layer whose cache
-    has the same layout and metadata (all layers of a KV-cache group)."""
+    """Where one step's Local reads lie in the paged cache and which of them count, built once and shared by every
+    layer whose cache has the same layout and metadata (all layers of a KV-cache group)."""
 
-    key_index: torch.Tensor     # [T, Hkv, S, D]
-    value_index: torch.Tensor
+    layout: PagedLayout
+    blocks: torch.Tensor        # [T, S]: the cache block of each read position
+    offsets: torch.Tensor       # [T, S]: its offset within the block
     mask: torch.Tensor          # [T, 1, 1, S]: True where the position is read
+    # A packed layout (the AMX kernels') has no strided view: flat indices [T, Hkv, S, D] of its keys and values.
+    # A strided one is read through its views with the [T, S] positions alone: flat indices of every element would
+    # hold 8 bytes per element read (gigabytes at a few hundred rows, and on a GPU outside what vLLM's profile run
+    # measures).
+    key_index: torch.Tensor | None = None
+    value_index: torch.Tensor | None = None
 
     @classmethod
     def build(cls, layout: PagedLayout, block_table: torch.Tensor, seq_lens: torch.Tensor, sinks: int,
@@ -189,15 +197,27 @@ class LocalGather:
         block_size = layout.shape[2]
         blocks = block_table.to(torch.long).gather(1, positions // block_size)
         offsets = positions % block_size
-        return cls(layout.gather_index(blocks, offsets, values=False),
-                   layout.gather_index(blocks, offsets, values=True), valid[:, None, None, :])
+        gather = cls(layout, blocks, offsets, valid[:, None, None, :])
+        if layout.packed is not None:
+            gather.key_index = layout.gather_index(blocks, offsets, values=False)
+            gather.value_index = layout.gather_index(blocks, offsets, values=True)
+        return gather
+
+    def read(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the Local positions, ``[T, Hkv, S, D]`` each, in the cache's dtype."""
+        if self.key_index is not None:
+            flat = cache_span(kv_cache)
+            return flat.take(self.key_index), flat.take(self.value_index)
+        keys, values = self.layout.views(kv_cache)   # [num_blocks, Hkv, block_size, D]
+        # (indices split by a slice: their [T, S] comes first, then Hkv and D)
+        return (keys[self.blocks, :, self.offsets].transpose(1, 2),
+                values[self.blocks, :, self.offsets].transpose(1, 2))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Local attention ``[T, Hq, D]``, one query token per entry; float32 arithmetic, as the reference."""
         tokens, num_heads, head_dim = query.shape
-        num_kv_heads = self.key_index.shape[1]
-        flat = cache_span(kv_cache)
-        keys, values = flat.take(self.key_index).float(), flat.take(self.value_index).float()
+        num_kv_heads = self.layout.shape[1]
+        keys, values = (part.float() for part in self.read(kv_cache))
         grouped = query.float().reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask,
                                                                scale=scale)
