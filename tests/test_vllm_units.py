@@ -932,8 +932,11 @@ def test_a_gpu_engine_is_eager_and_schedules_synchronously(monkeypatch):
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaGPUWorker")
     kwargs = engine_args("organism", policy="local")
     assert kwargs["enforce_eager"] is True and kwargs["async_scheduling"] is False
+    # the layout Local reads on a GPU: another backend vLLM might pick was refused at engine start
+    assert kwargs["attention_backend"] == "FLASH_ATTN"
+    assert engine_args("organism", policy="local", attention_backend="FLASHINFER")["attention_backend"] == "FLASHINFER"
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
-    assert "async_scheduling" not in engine_args("organism", policy="local")
+    assert not {"async_scheduling", "attention_backend"} & set(engine_args("organism", policy="local"))
 
 
 def test_flash_layout_of_vllm_0_32_matches_how_its_kernels_split_the_cache():

@@ -145,6 +145,9 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         # Asynchronous scheduling (vLLM's GPU default) schedules a step before the last one's tokens are known; ODA's
         # runner was built and tested with synchronous steps only (the CPU platform forces them)
         kwargs["async_scheduling"] = False
+        # Local reads the paged cache in FlashAttention's layout (`attention.paged_layout`); vLLM may pick another
+        # backend on a GPU, which the engine would refuse at start (a backend given here wins)
+        kwargs["attention_backend"] = "FLASH_ATTN"
     kwargs.update(vllm_kwargs)
     return kwargs
 
