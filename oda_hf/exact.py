@@ -40,7 +40,8 @@ from .policies import HeadPolicy
 
 #: Full's top two processed logits closer than this (float32; in lower precision `near_tie` widens it to the
 #: dtype's rounding): batched and single-token Full passes may round to different tokens there. Such verified
-#: positions are counted (`ExactRecord.near_ties`), never hidden.
+#: positions, and a first token so close (it comes from the row's unpadded prefill), are counted
+#: (`ExactRecord.near_ties`), never hidden.
 NEAR_TIE = 1e-4
 #: ...and within this many units of the logits' dtype at the top logit: a bfloat16 logit moves in steps of 2^-7 of
 #: its size, and a tie stock broke one way went the other in a batched pass from the first differing token on (a
@@ -69,8 +70,9 @@ class ExactRecord:
       ``corrected``: drafts Full replaced (at most one per verification); ``bonus``: tokens Full produced
       after the last draft of a verification (no draft to compare, e.g. when the head asked to verify);
       ``full_passes``: Full forward passes after the prefill; ``head_verifications``: passes the head asked
-      for (the rest came from ``max_draft``, EOS or the output cap); ``near_ties``: verified positions whose
-      top two Full logits were within `near_tie` of each other (where greedy output may differ from stock's).
+      for (the rest came from ``max_draft``, EOS or the output cap); ``near_ties``: verified positions (and first
+      tokens) whose top two Full logits were within `near_tie` of each other (where greedy output may differ from
+      stock's).
     """
 
     batch_size: int
@@ -194,12 +196,14 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
     max_draft = integer("max_draft", DEFAULT_MAX_DRAFT if max_draft is None else max_draft, minimum=1, maximum=MAX_DRAFT_LIMIT,
                         meaning="drafted tokens per verification at most")
     policy = model.oda_config.routing_policy()
+    named = f"verify_threshold={verify_threshold}"
     if verify_threshold is None:   # the routing threshold: a HeadPolicy(t)'s own t, else the config's
         verify_threshold = policy.threshold if isinstance(policy, HeadPolicy) else model.oda_config.threshold
+        named = f"the routing threshold {verify_threshold} (verify_threshold's default)"
     verify_threshold = number("verify_threshold", verify_threshold, finite=False)
     if verify_threshold == -math.inf:
-        raise ValueError("verify_threshold=-inf would verify every token: that is Full decoding, use oda_mode's "
-                         "default with policy='full' instead.")
+        raise ValueError(f"{named} would verify every token: that is Full decoding, use oda_mode's default with "
+                         "policy='full' instead.")
     use_head = math.isfinite(verify_threshold)
     if use_head and (not policy.uses_head or model.recall_head is None):
         raise ValueError(

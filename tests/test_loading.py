@@ -104,7 +104,8 @@ def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    for kwargs, expected, threshold in (({}, "A", 0.1), ({"revision": "v2"}, "B", 0.9), ({"subfolder": "sub"}, "B", 0.9)):
+    for kwargs, expected, threshold in (({}, "A", 0.1), ({"revision": "v2"}, "B", 0.9),
+                                        ({"subfolder": "sub"}, "B", 0.9)):
         model = OdaForCausalLM.from_pretrained("me/head", **kwargs)
         assert model.oda_config.threshold == threshold, kwargs
         assert all(torch.equal(model.recall_head.state_dict()[k], v) for k, v in heads[expected].state_dict().items())

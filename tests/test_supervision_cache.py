@@ -230,7 +230,8 @@ def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path, len
     """A run killed while saving its final head (or a finished run resumed again) resumes from the checkpoint that
     holds all its updates. transformers' loop checks for the end only after an update, so mid-epoch it ran one
     more, and with OdaTrainer's constant learning rate that update changed the head (3 updates over 8 rows: the
-    resumed head had 4). A run of 1.5 epochs (3 updates, the last mid-epoch) was not checked at all (only max_steps was)."""
+    resumed head had 4). A run of 1.5 epochs (3 updates, the last mid-epoch) was not checked at all (only max_steps
+    was)."""
     rows = packed_rows()
     settings = {**dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps",
                        save_steps=1), **length}

@@ -318,6 +318,7 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert all(r["policy"] == "schedule:1:2" and r["routed_steps"] == 4 for r in batch["requests"].values())
     # behind vLLM's middlewares: the API key guards ODA's records and refusals; CORS and X-Request-Id headers kept
     assert seen["unauthorized"] == [401, 401, 401]
+    assert seen["content_type_case"] == 400 and seen["unguarded_refusal"] == 400
     assert seen["headers"] == {name: [status, "http://example.com", "hdrcheck"]
                                for name, status in [("completion", 200), ("refusal", 400), ("routing", 200)]}
     # SageMaker's /invocations: refused as the OpenAI paths refuse; the records of what it served

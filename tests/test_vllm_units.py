@@ -935,6 +935,19 @@ def test_a_gpu_engine_is_eager_and_schedules_synchronously(monkeypatch):
     # the layout Local reads on a GPU: another backend vLLM might pick was refused at engine start
     assert kwargs["attention_backend"] == "FLASH_ATTN"
     assert engine_args("organism", policy="local", attention_backend="FLASHINFER")["attention_backend"] == "FLASHINFER"
+    # vLLM refuses attention_backend beside an attention_config that names a backend
+    assert "attention_backend" not in engine_args("organism", policy="local",
+                                                  attention_config={"backend": "TRITON_ATTN"})
+    import argparse
+
+    from oda_hf.vllm.server import add_cli, serve_argv
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--base", "organism", "--policy", "local"])
+    argv = serve_argv(args, [])
+    assert argv[argv.index("--attention-backend") + 1] == "FLASH_ATTN"
+    assert "--attention-backend" not in serve_argv(args, ["--attention-config.backend", "TRITON_ATTN"])
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
     assert not {"async_scheduling", "attention_backend"} & set(engine_args("organism", policy="local"))
 

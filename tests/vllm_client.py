@@ -18,7 +18,7 @@ def call(url: str, body: dict | None = None, headers: dict | None = None, key: s
     """[status, JSON answer, response headers] of a GET (`body` None) or a JSON POST."""
     headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     if body is not None:
-        headers["Content-Type"] = "application/json"
+        headers.setdefault("Content-Type", "application/json")
     request = urllib.request.Request(url, method="GET" if body is None else "POST", headers=headers,
                                      data=None if body is None else json.dumps(body).encode())
     try:
@@ -121,6 +121,11 @@ def main(port: int, model: str, ids: list) -> None:
                       else [status, answer["error"]["message"]])
     # ODA's own answers go through vLLM's middlewares (ODA's runs outside them): the API key guards the routing
     # records and ODA's refusals, and CORS / X-Request-Id headers reach every response
+    # (vLLM reads a media type in any case; its API key does not guard /invocations: nor does ODA's refusal there)
+    seen["content_type_case"] = call(f"{base}/v1/completions", {"model": model, "prompt": ids, "oda_policy": "local"},
+                                     {"Content-Type": "Application/JSON; charset=utf-8"})[0]
+    seen["unguarded_refusal"] = call(f"{base}/invocations", {"model": model, "prompt": ids, "oda_policy": "local"},
+                                     key=None)[0]
     seen["unauthorized"] = [call(f"{base}/v1/oda/routing", key=None)[0],
                             call(f"{base}/v1/oda/routing?request_id={stopped.id}", key=None)[0],
                             call(f"{base}/v1/completions", {"model": model, "prompt": ids, "oda_policy": "local"},

@@ -5,8 +5,9 @@
         benchmarks/results/smollm2/calibrate-rate25/test_records.jsonl --out benchmarks/results/smollm2/budget.md
 
 reads `results.jsonl` of each folder (or a JSONL file of records), keeps the budget run's prompts (those its last
-run reported, as its manifest records them; else every prompt of its folder), and writes one table: per policy group the macro score, the pooled Full-call rate over decided steps, and
-the highest rate of any single request (what a budget must bound).
+run reported, as its manifest records them; else every prompt of its folder), and writes one table: per policy group
+the macro score, the pooled Full-call rate over decided steps, and the highest rate of any single request (what a
+budget must bound).
 """
 
 from __future__ import annotations

@@ -268,11 +268,12 @@ def _run_eval(args) -> int:
         primary = args.primary_threshold
         last = runner.read_last_run(os.path.join(out, MANIFEST_FILE))
         if last is not None:
-            if primary is None and any(r["kind"] == "oda" and r["threshold"] == last["primary_threshold"]
-                                       for r in records):
-                primary = last["primary_threshold"]   # the run's main table, not the lowest threshold held
+            kept = last.get("primary_threshold")
+            if primary is None and kept is not None and any(r["kind"] == "oda" and r["threshold"] == kept
+                                                            for r in records):
+                primary = kept   # the run's main table, not the lowest threshold held
             others = {r["id"] for r in records} - set(last["examples"])
-            if others:
+            if others and not args.merge:   # (merged examples are the point of --merge)
                 print(f"[oda eval] --report-only: {len(others)} of the {len({r['id'] for r in records})} examples "
                       "reported were not in the last run (records of earlier runs into this folder); the last run's "
                       "report covered its own only.", file=sys.stderr)

@@ -844,8 +844,14 @@ def current_records(records: Iterable[dict], versions: dict[tuple[str, str], lis
     # A Random policy's records drawn one way (the example's own draws) supersede those of other examples drawn the
     # older way (one generator seed for every prompt): reported together, one row would average two protocols.
     per_example = {r["policy"] for r in records if r.get("kind") == "random" and draws_per_example(r)}
-    records = [r for r in records if not (r.get("kind") == "random" and r["policy"] in per_example
-                                          and not draws_per_example(r))]
+    shared = [r for r in records if r.get("kind") == "random" and r["policy"] in per_example
+              and not draws_per_example(r)]
+    if shared:
+        logger.warning(f"{len(shared)} Random records of draws shared by every prompt (older oda_hf) left out beside "
+                       f"their policies' records of per-example draws (e.g. {shared[0]['id']}, {shared[0]['policy']}): "
+                       "rerun `oda eval` over those prompts to draw them again.")
+        left_out = {id(r) for r in shared}
+        records = [r for r in records if id(r) not in left_out]
     rates = current_matched_rates(records)
     kept = []
     for record in records:

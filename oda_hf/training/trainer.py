@@ -411,9 +411,9 @@ class OdaTrainer(Trainer):
             return   # a threshold the caller chose is theirs
         default = OdaConfig().threshold
         if calibrated != default:
-            logger.warning(f"The head was loaded from a calibrated folder ({source}, threshold {calibrated:g}); training "
-                           f"changes its weights, so it routes and is saved at the default threshold {default:g}: run "
-                           "`oda calibrate` on the trained head.")
+            logger.warning(f"The head was loaded from a calibrated folder ({source}, threshold {calibrated:g}); "
+                           f"training changes its weights, so it routes and is saved at the default threshold "
+                           f"{default:g}: run `oda calibrate` on the trained head.")
         model.set_routing(threshold=default)
 
     def _finished_checkpoint(self, checkpoint) -> TrainOutput | None:
@@ -562,14 +562,15 @@ class OdaTrainer(Trainer):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def push_to_hub(self, repo_id: str | None = None, commit_message: str | None = "End of training",
-                    blocking: bool = True, token: str | None = None, revision: str | None = None,
-                    private: bool | None = None, **kwargs):
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, *,
+                    repo_id: str | None = None, **kwargs):
         """Publish the head as `save_model` writes it (weights, config, routing config, card, training settings) to
-        `repo_id` (default: ``args.hub_model_id``, else the output folder's name) in one commit that also removes
-        what an older save left there (`hub.upload_saved_files`); transformers' push would upload a checkpoint's
-        optimizer state and pickles and build a card from the training module. `blocking` is accepted for
-        transformers' signature (the commit is always made before returning); `kwargs` (card fields) are not read."""
+        `repo_id` (default: ``args.hub_model_id``, else the output folder's name; `revision` default
+        ``args.hub_revision``) in one commit that also removes what an older save left there
+        (`hub.upload_saved_files`); transformers' push would upload a checkpoint's optimizer state and pickles and
+        build a card from the training module. transformers' signature: `blocking` is accepted (the commit is made
+        before returning); `kwargs` (card fields) would go unread and are refused."""
         import tempfile
 
         from transformers.utils.hub import hf_api
@@ -581,6 +582,7 @@ class OdaTrainer(Trainer):
         if not self.is_world_process_zero():
             return None
         token = token if token is not None else self.args.hub_token
+        revision = revision if revision is not None else self.args.hub_revision
         repo_id = repo_id or self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         private = self.args.hub_private_repo if private is None else private
         repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id

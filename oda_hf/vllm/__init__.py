@@ -146,10 +146,21 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
         # runner was built and tested with synchronous steps only (the CPU platform forces them)
         kwargs["async_scheduling"] = False
         # Local reads the paged cache in FlashAttention's layout (`attention.paged_layout`); vLLM may pick another
-        # backend on a GPU, which the engine would refuse at start (a backend given here wins)
-        kwargs["attention_backend"] = "FLASH_ATTN"
+        # backend on a GPU, which the engine would refuse at start (a backend the caller names wins)
+        if not names_attention_backend(vllm_kwargs):
+            kwargs["attention_backend"] = "FLASH_ATTN"
     kwargs.update(vllm_kwargs)
     return kwargs
+
+
+def names_attention_backend(vllm_kwargs: dict) -> bool:
+    """Whether engine arguments choose an attention backend: ``attention_backend``, or ``attention_config`` naming
+    one (vLLM refuses the two together)."""
+    if vllm_kwargs.get("attention_backend") is not None:
+        return True
+    config = vllm_kwargs.get("attention_config")
+    backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    return backend is not None
 
 
 def _qwen3_5_settings(model_folder: str, overrides: dict) -> dict:

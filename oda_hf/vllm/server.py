@@ -38,6 +38,16 @@ ROUTING_PATH = "/v1/oda/routing"
 BATCH_CHAT_PATH = "/v1/chat/completions/batch"   # vLLM's: a list of conversations, one choice (and request) each
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", BATCH_CHAT_PATH)
 INVOCATIONS_PATH = "/invocations"   # SageMaker's: a completion or chat body (`served_as`)
+UNGUARDED_PROBE_PATH = "/oda/probe"   # no route serves it, and the API key does not guard it (`_through_vllm`)
+
+
+def _guarded_prefixes() -> tuple[str, ...]:
+    """The paths vLLM's API key guards."""
+    try:
+        from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+    except ImportError:   # (another vLLM layout: its OpenAI paths)
+        return ("/v1",)
+    return tuple(GUARDED_PREFIX)
 
 
 async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
@@ -242,10 +252,13 @@ async def _through_vllm(request, call_next, answer):
     """ODA's own response (`answer`, an async function making it) once vLLM's middlewares have passed the request
     (else theirs: 401 without the ``--api-key``, 503 while scaling...), with the headers they add (CORS,
     ``X-Request-Id``). vLLM adds ``--middleware`` outside its own, so ODA's answers would skip them: the request is
-    sent through them to `ROUTING_PATH`, which no route serves (the router's 404 means they let it pass)."""
+    sent through them to a path no route serves (`ROUTING_PATH`, or `UNGUARDED_PROBE_PATH` for a request outside the
+    paths the API key guards): the router's 404 means they let it pass."""
     scope = request.scope
     kept = scope["path"], scope.get("raw_path")
-    scope["path"] = (scope.get("root_path") or "") + ROUTING_PATH
+    # a probe path under the API key's guard exactly when the request's path is (vLLM guards /v1 and a few others)
+    probe_path = ROUTING_PATH if route_path(scope).startswith(_guarded_prefixes()) else UNGUARDED_PROBE_PATH
+    scope["path"] = (scope.get("root_path") or "") + probe_path
     scope["raw_path"] = scope["path"].encode()
     try:
         probe = await call_next(request)
@@ -293,7 +306,8 @@ async def oda_routing_middleware(request, call_next):
     asked = None   # the request's JSON body
     # Every JSON POST: vLLM serves generation bodies on more paths than the OpenAI ones (SageMaker's /invocations,
     # /inference/v1/generate...), each ignoring a misplaced ODA key as the others do.
-    if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()   # (as vLLM reads it)
+    if request.method == "POST" and media_type == "application/json":
         try:
             asked = json.loads(await request.body())
         except ValueError:   # not JSON: vLLM answers that itself
@@ -381,6 +395,8 @@ def serve_argv(args, passthrough: list[str]) -> list[str]:
     check_passthrough(passthrough)
     kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
                          policy=args.policy)
+    if any(arg.replace("_", "-").startswith(("--attention-backend", "--attention-config")) for arg in passthrough):
+        kwargs.pop("attention_backend", None)   # the caller's backend (vLLM refuses both flags together)
     return ["vllm.entrypoints.openai.api_server", "--model", kwargs.pop("model"),
             "--hf-overrides", json.dumps(kwargs.pop("hf_overrides")), "--worker-cls", kwargs.pop("worker_cls"),
             *engine_flags(kwargs),
