@@ -118,12 +118,14 @@ class RecallHeadConfig(PretrainedConfig):
 
     @classmethod
     def for_base(cls, base, **kwargs) -> "RecallHeadConfig":
-        """A config sized for `base` (a model, a config, or a hub id / local path of one).
+        """A config sized for `base` (a model, a config, or a hub id / local path / fetched short name of one).
 
         Given a loaded model, it also records `base_fingerprint(base)`.
         """
         if isinstance(base, str):
-            config = AutoConfig.from_pretrained(base)
+            from .known_models import resolve_base   # a fetched model's short name ("smollm2") too
+
+            config = AutoConfig.from_pretrained(resolve_base(base))
         else:
             config = getattr(base, "config", base)
         if isinstance(base, nn.Module):

@@ -111,6 +111,12 @@ def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypa
         assert all(torch.equal(model.recall_head.state_dict()[k], v) for k, v in heads[expected].state_dict().items())
 
 
+def test_a_head_config_for_a_short_name():
+    """README's recipe, `RecallHeadConfig.for_base("smollm2")`, asked the hub for a model named smollm2."""
+    config = RecallHeadConfig.for_base("organism", head_width=8)
+    assert config.base_model_name_or_path == "organism" and config.hidden_size > 0
+
+
 def test_auto_classes_know_the_recall_head_and_registration_is_idempotent(tmp_path):
     RecallHead(RecallHeadConfig(hidden_size=32, head_width=8)).save_pretrained(tmp_path)
     register_auto_classes()  # `import oda_hf` did it once; again must not raise

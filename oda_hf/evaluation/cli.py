@@ -109,7 +109,8 @@ def add_cli(subparsers) -> None:
 
 def _model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--base", type=base_argument, required=required, help="base causal LM: hub id, local folder, or smollm2 / organism")
-    parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2)")
+    parser.add_argument("--head", type=head_argument, default=None, help="recall head: hub id, local folder, or a shipped one (organism, smollm2, "
+                        "gemma3-270m, qwen2.5-coder-0.5b)")
     parser.add_argument("--tokenizer", type=base_argument, default=None, help="tokenizer id or folder (default: --base)")
     parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0), default=None,
                         help="sink positions s (default: the head's or 4)")

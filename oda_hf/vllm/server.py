@@ -459,15 +459,17 @@ def add_cli(subparsers) -> None:
         description="Runs vLLM's OpenAI-compatible API server (what `vllm serve` runs) with ODA. Arguments after "
                     "`--` go to it unchanged "
                     "(e.g. -- --max-model-len 8192).")
-    parser.add_argument("--base", type=base_argument, required=True, help="base model folder, or smollm2")
-    parser.add_argument("--head", type=head_argument, default=None, help="recall head folder, or smollm2")
+    parser.add_argument("--base", type=base_argument, required=True, help="base model folder, or a fetched short name "
+                        "(smollm2, gemma3-270m, qwen2.5-coder-0.5b)")
+    parser.add_argument("--head", type=head_argument, default=None, help="recall head folder, or a shipped one "
+                        "(smollm2, gemma3-270m, qwen2.5-coder-0.5b)")
     parser.add_argument("--sinks", type=int, default=None)
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
     parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
                         "schedule:K:PERIOD | budget:RATE[:THRESHOLD] (a request may set its own)")
     parser.add_argument("--dtype", default="float32", type=dtype_name,
-                        help="float32/fp32, bfloat16/bf16, float16/fp16 or auto (vLLM's --dtype)")
+                        help="float32/fp32, bfloat16/bf16, float16/fp16 or auto (vLLM's --dtype; default float32)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vllm serve")
