@@ -366,7 +366,7 @@ class RecallHead(PreTrainedModel):
             replaces = list(HEAD_WEIGHT_FILES)
             if _holds_calibration_of_other_weights(save_directory, staging):
                 replaces.append(CALIBRATION_NAME)
-                oda_config, unreadable = _uncalibrated(save_directory, oda_config)
+                oda_config, unreadable = uncalibrated_routing(save_directory, oda_config)
                 if unreadable:
                     replaces.append(ODA_CONFIG_NAME)  # can't be rewritten: gone rather than left with the old threshold
                 threshold = (oda_config or OdaConfig()).threshold
@@ -439,7 +439,7 @@ def _holds_calibration_of_other_weights(folder, staging: str) -> bool:
     return not _same_weights(os.path.join(staging, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_NAME))
 
 
-def _uncalibrated(folder, oda_config):
+def uncalibrated_routing(folder, oda_config):
     """``(routing defaults to save, whether folder's oda_config.json is unreadable)`` once a calibration of other
     weights is dropped: the calibrated threshold goes back to the default, as OdaTrainer does.
 

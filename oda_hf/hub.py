@@ -65,8 +65,8 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
     Deleted: weight files of an older save the upload does not write (shards, an index, pytorch weights), and a
     calibration.json measured on other weights (its model.safetensors differs from the one uploaded). That
     calibration's threshold lives in the repo's oda_config.json, which goes back to the default threshold (replaced by
-    a copy), as `_uncalibrated` does locally: left there, or uploaded again by a model loaded from the repo, the next
-    load by id would route the new weights with the old weights' threshold. An uploaded oda_config.json with another
+    a copy), as `uncalibrated_routing` does locally: left there, or uploaded again by a model loaded from the repo, the
+    next load by id would route the new weights with the old weights' threshold. An uploaded oda_config.json with another
     threshold is the caller's choice and goes up as it is."""
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.hf_api import RepoFile
@@ -95,7 +95,7 @@ def _stale_files_on_hub(api, folder, names, repo_id, revision, token, scratch) -
                 if ODA_CONFIG_NAME not in names:
                     delete.append(ODA_CONFIG_NAME)
             # The upload's own routing is the caller's, unless its threshold is the calibrated one (a model loaded
-            # from this repo and given new weights), which goes back to the default as `_uncalibrated` does.
+            # from this repo and given new weights), which goes back to the default as `uncalibrated_routing` does.
             uploaded = OdaConfig.from_json_file(os.path.join(folder, ODA_CONFIG_NAME)) \
                 if ODA_CONFIG_NAME in names else calibrated
             if calibrated is not None and uploaded.threshold == calibrated.threshold:

@@ -46,10 +46,11 @@ from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
-from ..config import CALIBRATION_NAME, ODA_CONFIG_NAME, OdaConfig
+from ..config import CALIBRATION_NAME, OdaConfig
 from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..head import HEAD_WEIGHT_FILES
+from ..head import uncalibrated_routing
 from ..head import base_fingerprint as weights_fingerprint
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
@@ -275,9 +276,9 @@ class OdaTrainer(Trainer):
         # The weights the head learns to read: `for_base` records them only when given a loaded model (a head made
         # from the base's name held none, so using it on another base went unnoticed).
         head_config.base_fingerprint = weights_fingerprint(model.base_model)
-        if not head_config.base_model_name_or_path:
-            name = getattr(model.config, "_name_or_path", None) or None
-            head_config.base_model_name_or_path = short_name_of(name) or name
+        base_path = getattr(model.config, "_name_or_path", None) or None
+        base_name = short_name_of(base_path) or base_path  # a fetched base by its short name, not this machine's path
+        head_config.base_model_name_or_path = head_config.base_model_name_or_path or base_name
         module = self.training_module_class(model, sinks=self.oda_sinks, window=self.oda_window,
                                             oda_lambda=args.oda_lambda, tau_hist=args.oda_tau_hist,
                                             lm_chunk=args.oda_lm_chunk)
@@ -295,9 +296,8 @@ class OdaTrainer(Trainer):
         self._eligible_since_log = 0
         from .supervision_cache import base_fingerprint
 
-        base_path = getattr(model.config, "_name_or_path", None) or None
         self.supervision_settings = {
-            "base_model": short_name_of(base_path) or base_path,  # a fetched base by its short name, not this machine's path
+            "base_model": base_name,
             # the weights and the dtype the hidden states come from (a path, or a name, says neither)
             "base_fingerprint": base_fingerprint(model), "base_dtype": str(model.dtype).removeprefix("torch."),
             "sinks": self.oda_sinks, "window": self.oda_window, "oda_lambda": args.oda_lambda,
@@ -403,18 +403,13 @@ class OdaTrainer(Trainer):
         source = getattr(model.recall_head, "_oda_source_folder", None)
         if not source or not os.path.isfile(os.path.join(source, CALIBRATION_NAME)):
             return
-        try:
-            calibrated = OdaConfig.from_json_file(os.path.join(source, ODA_CONFIG_NAME)).threshold
-        except (OSError, ValueError):
-            calibrated = None
-        if calibrated is None or model.oda_config.threshold != calibrated:
-            return   # a threshold the caller chose is theirs
-        default = OdaConfig().threshold
-        if calibrated != default:
-            logger.warning(f"The head was loaded from a calibrated folder ({source}, threshold {calibrated:g}); "
-                           f"training changes its weights, so it routes and is saved at the default threshold "
-                           f"{default:g}: run `oda calibrate` on the trained head.")
-        model.set_routing(threshold=default)
+        # (the folder's calibrated threshold goes back to the default; a threshold the caller chose stays)
+        routing, _ = uncalibrated_routing(source, model.oda_config)
+        if routing.threshold != model.oda_config.threshold:
+            logger.warning(f"The head was loaded from a calibrated folder ({source}, threshold "
+                           f"{model.oda_config.threshold:g}); training changes its weights, so it routes and is saved "
+                           f"at the default threshold {routing.threshold:g}: run `oda calibrate` on the trained head.")
+            model.set_routing(threshold=routing.threshold)
 
     def _finished_checkpoint(self, checkpoint) -> TrainOutput | None:
         """Resuming from a checkpoint that already holds all `max_steps` updates (a run killed while saving its final
@@ -568,14 +563,12 @@ class OdaTrainer(Trainer):
         """Publish the head as `save_model` writes it (weights, config, routing config, card, training settings) to
         `repo_id` (default: ``args.hub_model_id``, else the output folder's name; `revision` default
         ``args.hub_revision``) in one commit that also removes what an older save left there
-        (`hub.upload_saved_files`); transformers' push would upload a checkpoint's optimizer state and pickles and
+        (`hub.push_saved_to_hub`); transformers' push would upload a checkpoint's optimizer state and pickles and
         build a card from the training module. transformers' signature: `blocking` is accepted (the commit is made
         before returning); `kwargs` (card fields) would go unread and are refused."""
-        import tempfile
+        from types import SimpleNamespace
 
-        from transformers.utils.hub import hf_api
-
-        from ..hub import upload_saved_files
+        from ..hub import push_saved_to_hub
 
         if kwargs:
             raise TypeError(f"OdaTrainer.push_to_hub writes ODA's own model card; {sorted(kwargs)} would go unread.")
@@ -585,11 +578,8 @@ class OdaTrainer(Trainer):
         revision = revision if revision is not None else self.args.hub_revision
         repo_id = repo_id or self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         private = self.args.hub_private_repo if private is None else private
-        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as folder:
-            self._save(folder)
-            return upload_saved_files(folder, sorted(os.listdir(folder)), repo_id, commit_message=commit_message,
-                                      token=token, revision=revision)
+        return push_saved_to_hub(SimpleNamespace(save_pretrained=self._save), repo_id, commit_message=commit_message,
+                                 private=private, token=token, revision=revision)
 
     # -- atomic checkpoints ---------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
