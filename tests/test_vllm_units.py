@@ -444,9 +444,12 @@ def test_local_gather_matches_the_reference(make, backend, kv_heads, heads):
     table = torch.stack([torch.randperm(num_blocks, generator=g)[:5] for _ in seq_lens])
     query = torch.randn(len(seq_lens), heads, dim, generator=g)
     gather = LocalGather.build(layout, table, seq_lens, sinks, window)
-    out = gather.attend(query, cache, dim ** -0.5)
     expected = paged_local_attention(query, key_cache, value_cache, table, seq_lens, sinks, window, dim ** -0.5)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    row_bytes = 2 * kv_heads * (sinks + window) * dim * (4 + cache.element_size())
+    # unchunked, then one row per chunk and chunks of 4 rows (the last one short): rows attended apart are the same
+    for chunk_bytes in (None, 1, 4 * row_bytes + 1):
+        out = gather.attend(query, cache, dim ** -0.5, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_layout_matches_what_vllm_writes():

@@ -174,6 +174,10 @@ def check_local_layouts(model) -> None:
             paged_layout(impl.oda_backend_name, kv_cache, getattr(module, "isa", None))
 
 
+# Most bytes of gathered Local keys and values (cache dtype and float32 copies) one attention layer holds at once.
+LOCAL_CHUNK_BYTES = 256 * 2**20
+
+
 @dataclass
 class LocalGather:
     """Where one step's Local reads lie in the paged cache and which of them count, built once and shared by every
@@ -203,25 +207,37 @@ class LocalGather:
             gather.value_index = layout.gather_index(blocks, offsets, values=True)
         return gather
 
-    def read(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of the Local positions, ``[T, Hkv, S, D]`` each, in the cache's dtype."""
+    def read(self, kv_cache: torch.Tensor, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the Local positions of `rows`, ``[rows, Hkv, S, D]`` each, in the cache's dtype."""
         if self.key_index is not None:
             flat = cache_span(kv_cache)
-            return flat.take(self.key_index), flat.take(self.value_index)
+            return flat.take(self.key_index[rows]), flat.take(self.value_index[rows])
         keys, values = self.layout.views(kv_cache)   # [num_blocks, Hkv, block_size, D]
+        blocks, offsets = self.blocks[rows], self.offsets[rows]
         # (indices split by a slice: their [T, S] comes first, then Hkv and D)
-        return (keys[self.blocks, :, self.offsets].transpose(1, 2),
-                values[self.blocks, :, self.offsets].transpose(1, 2))
+        return keys[blocks, :, offsets].transpose(1, 2), values[blocks, :, offsets].transpose(1, 2)
 
-    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Local attention ``[T, Hq, D]``, one query token per entry; float32 arithmetic, as the reference."""
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               chunk_bytes: int | None = None) -> torch.Tensor:
+        """Local attention ``[T, Hq, D]``, one query token per entry; float32 arithmetic, as the reference.
+
+        Rows are attended in chunks whose gathered keys and values (in the cache's dtype and their float32 copies)
+        hold at most `chunk_bytes` (`LOCAL_CHUNK_BYTES`): they are transient memory that vLLM's profile run does not
+        see (it runs no Local pass), ~2 GB per layer at a few hundred rows of a 1K window unchunked.
+        """
         tokens, num_heads, head_dim = query.shape
-        num_kv_heads = self.layout.shape[1]
-        keys, values = (part.float() for part in self.read(kv_cache))
-        grouped = query.float().reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.mask,
-                                                               scale=scale)
-        return out.reshape(tokens, num_heads, head_dim).to(query.dtype)
+        num_kv_heads, span = self.layout.shape[1], self.mask.shape[-1]
+        row_bytes = 2 * num_kv_heads * span * head_dim * (4 + kv_cache.element_size())
+        step = max(1, (LOCAL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // row_bytes)
+        out = torch.empty_like(query)
+        for start in range(0, tokens, step):
+            rows = slice(start, start + step)
+            keys, values = (part.float() for part in self.read(kv_cache, rows))
+            grouped = query[rows].float().reshape(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            attended = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values,
+                                                                        attn_mask=self.mask[rows], scale=scale)
+            out[rows] = attended.reshape(-1, num_heads, head_dim).to(query.dtype)
+        return out
 
 
 @dataclass
