@@ -128,10 +128,13 @@ class RoutingRecord:
         return float(self.full_calls_per_row.sum()) / steps if steps else float("nan")
 
     def summary(self) -> str:
+        def percent(rate: float) -> str:   # (NaN: no step to count, e.g. every step within sinks + window)
+            return "n/a" if rate != rate else f"{rate:.2%}"
+
         return (
             f"routed steps {int(self.steps_per_row.sum())} ({int(self.window_steps_per_row.sum())} within sinks + "
-            f"window), Full calls {int(self.full_calls_per_row.sum())}, Full-call rate {self.full_call_rate:.2%} "
-            f"past the window, {self.paper_full_call_rate:.2%} over all routed steps (paper)"
+            f"window), Full calls {int(self.full_calls_per_row.sum())}, Full-call rate {percent(self.full_call_rate)} "
+            f"past the window, {percent(self.paper_full_call_rate)} over all routed steps (paper)"
         )
 
     def __repr__(self) -> str:

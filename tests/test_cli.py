@@ -27,6 +27,15 @@ def test_generate_prints_text_and_routing_summary(saved_model, capsys):
     assert "routed steps 6" in captured.err and "Full-call rate" in captured.err
 
 
+def test_generate_within_the_window_says_no_rate(saved_model, capsys):
+    """Every step within sinks + window: no step was decided, so there is no rate to print (it printed "nan%")."""
+    code = main(["generate", "--base", str(saved_model / "base"), "--head", str(saved_model / "head"),
+                 "--sinks", "2", "--window", "64", "--prompt", "w5 w6 w7", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 0 and "nan" not in err
+    assert "(3 within sinks + window)" in err and "Full-call rate n/a past the window" in err
+
+
 def test_generate_with_named_policy_and_no_head(saved_model, capsys):
     code = main(["generate", "--base", str(saved_model / "base"), "--policy", "schedule:1:3", "--sinks", "2",
                  "--window", "4", "--prompt", "w5 w6 w7 w8 w9 w10", "--max-new-tokens", "7"])
