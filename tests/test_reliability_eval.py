@@ -314,6 +314,41 @@ def test_changed_answers_and_metric_are_rescored_as_a_fresh_run(root, capsys, tm
     assert (tmp_path / "a" / "report.md").read_bytes() == (tmp_path / "fresh" / "report.md").read_bytes()
 
 
+def test_a_rerun_of_one_policy_rescores_the_other_policies_too(root, capsys, tmp_path):
+    """After the answers change, a rerun naming one policy of the folder rescores every stored output of its examples:
+    the Local records it does not name had kept the old answers, and the report (and --report-only) put Full scored
+    against the new answers beside Local scored against the old ones, exit 0."""
+    data = write_jsonl(tmp_path / "data.jsonl", [record(i, answers=["w5"]) for i in range(2)])
+    run = ["eval", "--base", root / "base", "--window", "8", "--no-progress", "--no-plots", "--data", data]
+    assert oda(run + ["--policies", "full", "local", "--out", tmp_path / "a"], capsys)[0] == 0
+    first = [json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()]
+    write_jsonl(data, [record(i, answers=[next(r for r in first if r["id"] == f"e{i}")["output"].split()[0]])
+                       for i in range(2)])   # every policy's first output word (the prefill's token)
+    assert oda(run + ["--policies", "full", "--out", tmp_path / "a"], capsys)[0] == 0
+    assert oda(run + ["--policies", "full", "local", "--out", tmp_path / "fresh"], capsys)[0] == 0
+    assert oda(["eval", "--out", tmp_path / "a", "--report-only", "--no-plots"], capsys)[0] == 0   # every policy
+    assert (tmp_path / "a" / "report.md").read_bytes() == (tmp_path / "fresh" / "report.md").read_bytes()
+    scores = {(r["id"], r["kind"]): r["score"] for r in map(json.loads, (tmp_path / "a" / "results.jsonl")
+                                                              .read_text().splitlines())}
+    assert scores[("e0", "local")] == scores[("e1", "local")] == 1.0
+
+
+def test_records_of_one_example_scored_otherwise_are_not_reported_together(tmp_path, capsys):
+    """A folder whose records of one example carry other answers (written before the rescoring above) is refused by
+    --report-only, naming the example and the fix, instead of reported with mixed scores."""
+    out = tmp_path / "mixed"
+    out.mkdir()
+    base = {"id": "e0", "task": "t", "group": "full", "kind": "full", "threshold": None, "metric": "string_match_all",
+            "scorer": "string_match_all/v1", "score": 1.0, "full_calls": 3, "routed_steps": 3, "window_steps": 0,
+            "window_full_calls": 0, "hit_cap": False, "output": "w5", "answers": ["w5"], "policy": "full"}
+    stale = {**base, "policy": "local", "group": "local", "kind": "local", "answers": ["w9"], "score": 0.0,
+             "scorer": None}
+    write_jsonl(out / "results.jsonl", [base, stale])
+    code, err = oda(["eval", "--out", out, "--report-only", "--no-plots"], capsys)
+    assert code == 2 and "example e0 is scored otherwise (answers)" in err and "Rerun `oda eval`" in err
+    assert not (out / "report.md").exists()
+
+
 def test_report_escapes_task_names_in_tables(tmp_path):
     def rec(task, policy="full"):
         return {"id": f"{task}-0", "task": task, "policy": policy, "group": policy, "kind": policy, "threshold": None,

@@ -558,6 +558,12 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
                                  + ". Records of different settings must not mix: write to a new output folder "
                                  "(--out).")
             rescored += _rescore(results, record, example)
+        # The example's records of policies this run does not name are rescored too: left as they were, a report
+        # would put one output scored against the old answers beside the same output scored against the new ones.
+        named = {spec.name for spec in policies}
+        for record in held:
+            if record["policy"] not in named:
+                rescored += _rescore(results, record, example)
     if rescored:
         logger.warning(f"{results.path}: rescored {rescored} records from their stored outputs (the answers, task, "
                        "metric or scorer changed since they were generated).")
@@ -582,6 +588,22 @@ def check_same_prompt(records: Iterable[dict], prompt: dict, where: str) -> None
             raise ValueError(f"{where} holds ({record['id']}, {record['policy']}) made for another prompt or output "
                              f"cap than this one: " + "; ".join(differences) + ". One example id must be one prompt "
                              "in an output folder: write to a new output folder (--out).")
+
+
+def check_same_scoring(records: Iterable[dict]) -> None:
+    """ValueError if two records of one example were scored otherwise (task, metric, answers, or two scorer versions;
+    older records name no scorer): reported side by side, one output would count as right under one policy and wrong
+    under another (records a run did not regenerate after the data's answers changed)."""
+    seen: dict[str, dict] = {}
+    for record in records:
+        first = seen.setdefault(record["id"], record)
+        differing = [key for key in SCORING_KEYS if record.get(key) != first.get(key)
+                     and not (key == "scorer" and None in (record.get(key), first.get(key)))]
+        if differing:
+            raise ValueError(f"example {record['id']} is scored otherwise ({', '.join(differing)}) in its "
+                             f"{first['policy']} record than in its {record['policy']} record, so they cannot be "
+                             "reported side by side. Rerun `oda eval` on the current data into this folder (any policy "
+                             "of the folder: it rescores every stored output of the examples it runs), then report.")
 
 
 def scoring_identity(example: EvalExample) -> dict:
@@ -841,6 +863,7 @@ def current_records(records: Iterable[dict], versions: dict[tuple[str, str], lis
     pair's newest earlier record at the current rate, if there is one (a rerun over fewer prompts into the same
     folder redraws the control at their rate, and that must not hide the records drawn for all of them)."""
     records = list(records)
+    check_same_scoring(records)
     # A Random policy's records drawn one way (the example's own draws) supersede those of other examples drawn the
     # older way (one generator seed for every prompt): reported together, one row would average two protocols.
     per_example = {r["policy"] for r in records if r.get("kind") == "random" and draws_per_example(r)}
