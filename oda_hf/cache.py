@@ -54,6 +54,17 @@ def select_rows(select_full: torch.Tensor | None, full: torch.Tensor | None, loc
     return torch.where(select_full.to(local.device).view(shape), full, local)
 
 
+def removal_count(tokens_to_remove: int) -> int:
+    """How many positions ``crop(tokens_to_remove)`` removes under transformers' contract (``crop(-k)`` removes the
+    last ``k``, ``crop(0)`` none; transformers' own deferred stop check calls ``crop(0)`` after every step). A positive
+    count, which older transformers read as a length to keep, is refused as transformers refuses it."""
+    if tokens_to_remove > 0:
+        raise ValueError(f"crop({tokens_to_remove}): crop takes the number of positions to remove as a negative count "
+                         f"(crop(-2) removes the last two); to keep the first {tokens_to_remove} positions call "
+                         f"crop_to({tokens_to_remove}).")
+    return -tokens_to_remove
+
+
 class OdaGlobalLayer(CacheLayerMixin):
     """A layer that natively attends to the whole history: Local restricts it to sinks + window.
 
@@ -259,8 +270,13 @@ class OdaGlobalLayer(CacheLayerMixin):
         if self.is_initialized:
             self._index_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: remove that many), as transformers' `crop`.
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` positions (transformers' contract: ``crop(0)`` removes none, a
+        positive count is refused); `crop_to` keeps a given length."""
+        self.crop_to(self.seq_length - removal_count(tokens_to_remove))
+
+    def crop_to(self, max_length: int) -> None:
+        """Keep the first `max_length` positions.
 
         The complete history is kept, so the Local workspace is re-derived from it: the ring slots the removed
         positions overwrote get their older positions back. Rows are left-padded (as `generate` pads), so a row's
@@ -270,7 +286,6 @@ class OdaGlobalLayer(CacheLayerMixin):
         if self.pending:
             raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
         length = self.seq_length
-        max_length = length + max_length if max_length < 0 else max_length
         removed = length - max_length
         if removed <= 0:
             return
@@ -340,16 +355,24 @@ class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
         super().update(keys, values)
         self.pending.clear()
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: remove that many). The layer holds only its last
-        ``sliding_window - 1`` positions unless past recording is on (`activate_past_recording`, as exact
-        decoding does): a crop needing an evicted position is an error, never a silent wrong window."""
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` positions and go back to the window (transformers' contract:
+        ``crop(0)`` removes none, a positive count is refused); `crop_to` keeps a given length."""
+        if self.is_initialized:
+            self.crop_to(self.cumulative_length - removal_count(tokens_to_remove))
+        else:
+            removal_count(tokens_to_remove)
+
+    def crop_to(self, max_length: int) -> None:
+        """Keep the first `max_length` positions, of which the layer then holds its last ``sliding_window - 1``.
+        It holds no more than those unless past recording is on (`activate_past_recording`, as exact decoding and
+        transformers' deferred stop check do): a crop needing an evicted position is an error, never a silent wrong
+        window."""
         if not self.is_initialized:
             return
         if self.pending:
             raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
         length = self.cumulative_length
-        max_length = length + max_length if max_length < 0 else max_length
         held = self.keys.shape[-2]  # positions [length - held, length)
         start = max(0, max_length - (self.sliding_window - 1))
         if max_length < length and start < length - held:
@@ -385,7 +408,9 @@ class OdaLinearAttentionLayer(LinearAttentionLayer):
         for (store, i), local in zip(self._state_tensors(), local_state):
             store[i].copy_(select_rows(select_full, store[i], local))
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
+        if removal_count(tokens_to_remove) == 0:
+            return
         raise ValueError(
             "Gated DeltaNet state is one recurrent state, not one entry per position: it cannot be cropped. Take an "
             "OdaCache.checkpoint() before the steps to undo and rollback() to it.")
@@ -608,14 +633,20 @@ class OdaCache(Cache):
         if self.selected_hidden is not None:
             self.selected_hidden = self.selected_hidden.repeat_interleave(repeats, dim=0)
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: remove that many) in every layer. Hybrids with
-        recurrent (Gated DeltaNet) state cannot crop: use `checkpoint` / `rollback`."""
-        if self.linear_layers:
-            self.linear_layers[0].crop(max_length)  # raises, naming checkpoint/rollback
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` positions from every layer, as transformers' `Cache.crop`
+        (``crop(0)`` removes none; a positive count is refused: `crop_to` keeps a given length). Hybrids with
+        recurrent (Gated DeltaNet) state cannot remove positions: use `checkpoint` / `rollback`."""
+        self.crop_to(self.get_seq_length() - removal_count(tokens_to_remove))
+
+    def crop_to(self, max_length: int) -> None:
+        """Keep the first `max_length` positions in every layer (window layers then hold their window)."""
+        removed = self.get_seq_length() - max_length
+        if self.linear_layers and removed > 0:
+            self.linear_layers[0].crop(-removed)  # raises, naming checkpoint/rollback
         for layer in self.layers:
-            if not isinstance(layer, DummyLayer):
-                layer.crop(max_length)
+            if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
+                layer.crop_to(max_length)
 
     def checkpoint(self) -> "CacheCheckpoint":
         """The committed state now, to `rollback` to after speculative steps (no pending step allowed)."""
@@ -633,7 +664,7 @@ class OdaCache(Cache):
         """Return to `checkpoint`: drop pending candidates and every position committed after it."""
         self.discard_pending()
         for layer in self.global_layers:
-            layer.crop(checkpoint.length)
+            layer.crop_to(checkpoint.length)
         sliding = [layer for layer in self.layers if isinstance(layer, OdaSlidingWindowLayer)]
         for layer, saved in zip(sliding, checkpoint.sliding):
             if saved is not None:  # update() replaces these tensors, never writes into them

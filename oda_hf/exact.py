@@ -359,7 +359,7 @@ class CacheDrafts:
             extra_passes = 1
         for layer in self.cache.layers:  # drop the rejected positions; window layers go back to their window
             if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
-                layer.crop(start + keep)
+                layer.crop_to(start + keep)
         self.cache.selected_hidden = hidden[keep - 1: keep]
         self.checkpoint = self.cache.checkpoint()
         return extra_passes

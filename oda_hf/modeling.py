@@ -305,15 +305,35 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             output = super().generate(*args, **kwargs)
         finally:
             self._generate_call_starting = False
+        self._drop_undone_steps(output, args, kwargs)
         self._mark_eos_rows(output, kwargs)
         return output
+
+    def _drop_undone_steps(self, output, args, kwargs) -> None:
+        """Forget routed steps whose tokens `generate` took back: transformers' deferred stop check (on mps) learns
+        that generation stopped one step late and removes that step's token (and cache position: `OdaCache.crop`);
+        its routing would otherwise count in the record."""
+        sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+        prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if self._beam_generation or sequences is None:
+            return
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and not prompt.is_floating_point():
+            prompt_length = prompt.shape[1]
+        elif prompt is None and kwargs.get("inputs_embeds") is not None:
+            prompt_length = 0   # (the output holds the new tokens only)
+        else:
+            return
+        offset = 0 if self._request_prefilled else 1
+        extra = self.routing.routed_steps + 1 - offset - (sequences.shape[1] - prompt_length)
+        if extra > 0:
+            self.routing.drop_last_steps(extra)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, **kwargs):
         # Every criterion of the call (EOS, stop strings, max length, the user's), after transformers has merged the
         # user's with its own, tells ODA when each row stopped: its later steps are padding, not routed steps.
         criteria = super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer, **kwargs)
         self._call_eos_token_id = generation_config.eos_token_id   # the call's, however it was passed
-        return StoppingCriteriaList([_RecordFinishedRows(criterion, self) for criterion in criteria])
+        return _RecordingCriteriaList([_RecordFinishedRows(criterion, self) for criterion in criteria])
 
     def _mark_eos_rows(self, output, kwargs) -> None:
         """Rows that emitted EOS stop counting routed steps after it (their later tokens are padding)."""
@@ -426,10 +446,14 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         prefilled with Full, not a routed step (a call continuing a cache with chunks of one routed them all)."""
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         cached = cache.get_seq_length() if isinstance(cache, OdaCache) else 0
-        mask = model_kwargs.get("attention_mask")
-        # (transformers' own rule for what it feeds: the uncached tail when the mask covers the whole sequence)
-        whole = mask is None or mask.shape[-1] == input_ids.shape[1]
-        fed = input_ids.shape[1] - cached if whole else input_ids.shape[1]
+        mask, embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
+        # (transformers' own rule for what it feeds: the uncached tail when the mask covers the whole sequence; an
+        # all-ones mask was dropped, its length kept in the config)
+        mask_length = mask.shape[-1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+        if embeds is not None:
+            fed = embeds.shape[1] - cached
+        else:
+            fed = input_ids.shape[1] - cached if mask_length == input_ids.shape[1] else input_ids.shape[1]
         self._prefilling, self._prefilled_chunk = True, fed > 1 and cached > 0
         try:
             return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
@@ -610,6 +634,16 @@ def _check_prompt_not_empty(input_ids) -> None:
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() >= 1 and input_ids.shape[-1] == 0:
         raise ValueError("input_ids has no token (shape %s): ODA decodes from a prompt of at least one token."
                          % (tuple(input_ids.shape),))
+
+
+class _RecordingCriteriaList(StoppingCriteriaList):
+    """The call's criteria, each wrapped in `_RecordFinishedRows`, with the max length still visible: transformers
+    reads it through an isinstance test (`StoppingCriteriaList.max_length`), and its deferred stop check (mps)
+    without it runs one step past the length."""
+
+    @property
+    def max_length(self) -> int | None:
+        return StoppingCriteriaList(getattr(c, "criterion", c) for c in self).max_length
 
 
 class _RecordFinishedRows(StoppingCriteria):

@@ -56,6 +56,13 @@ class RoutingRecord:
         self._in_window = [w[indices] for w in self._in_window]
         self.finished_at = self.finished_at[indices]
 
+    def drop_last_steps(self, count: int) -> None:
+        """Forget the last `count` steps (their tokens were taken back); rows finished in them are finished at the
+        end of the steps kept."""
+        kept = max(self.routed_steps - count, 0)
+        del self._decisions[kept:], self._scores[kept:], self._in_window[kept:]
+        self.finished_at = torch.where(self.finished_at > kept, torch.tensor(kept), self.finished_at)
+
     def mark_finished(self, rows: torch.Tensor) -> None:
         """Rows (bool ``[batch]``) that are finished after the steps recorded so far."""
         rows = rows.detach().cpu().bool()

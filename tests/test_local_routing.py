@@ -45,19 +45,25 @@ def test_chunked_prefill_prefills_every_prompt_token(chunk):
                   prefill_chunk_size=chunk)
     assert torch.equal(model.generate(**kwargs), base.generate(**kwargs)) and model.routing.routed_steps == 5
     # A call continuing a cache with 6 uncached tokens (its last output and 5 new) prefills them all with Full, in
-    # chunks of one as unchunked (chunks of one had routed every one of them: 11 routed steps for 5, logits 0.25 off)
+    # chunks of one as unchunked (chunks of one had routed every one of them: 11 routed steps for 5, logits 0.25 off),
+    # also when it passes only those tokens with a mask over the whole conversation (transformers then drops the
+    # all-ones mask and keeps its length: they were routed again)
     model = OdaForCausalLM(base, None, OdaConfig(sinks=1, window=2, policy="local"))
     scores = {}
     for chunk in (None, 1):
-        cache = model.new_cache()
-        first = model.generate(input_ids=ids[1:], max_new_tokens=6, do_sample=False, pad_token_id=0,
-                               past_key_values=cache)
-        more = torch.cat([first, torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))], dim=1)
-        out = model.generate(input_ids=more, max_new_tokens=6, do_sample=False, pad_token_id=0, past_key_values=cache,
-                             output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk)
-        scores[chunk] = (torch.stack(out.logits, 1), model.routing.routed_steps)
-    assert scores[1][1] == scores[None][1] == 5
-    torch.testing.assert_close(scores[1][0], scores[None][0], atol=1e-5, rtol=1e-5)
+        for uncached_only in (False, True):
+            cache = model.new_cache()
+            first = model.generate(input_ids=ids[1:], max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                   past_key_values=cache)
+            more = torch.cat([first, torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))], 1)
+            fed = dict(input_ids=more[:, cache.get_seq_length():], attention_mask=torch.ones_like(more)) \
+                if uncached_only else dict(input_ids=more)
+            out = model.generate(**fed, max_new_tokens=6, do_sample=False, pad_token_id=0, past_key_values=cache,
+                                 output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk)
+            scores[chunk, uncached_only] = (torch.stack(out.logits, 1), model.routing.routed_steps)
+    for key, (logits, routed_steps) in scores.items():
+        assert routed_steps == 5, key
+        torch.testing.assert_close(logits, scores[None, False][0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
@@ -134,3 +140,73 @@ def test_reference_detects_wrong_decisions():
     flipped = replay_logits(base, out.sequences, mask, ~model.routing.decisions, 2, 4)
     flipped = step_logits_from_reference(flipped, ids.shape[1], 14)
     assert (flipped - ref).abs().max().item() > 1e-2
+
+
+@pytest.fixture
+def deferred_stop_check(monkeypatch):
+    """transformers' deferred stop check, which it uses on mps only (the stop decision is read one step late and that
+    step taken back: the cache cropped with crop(0) after every step and crop(-1) at the end), turned on here."""
+    from transformers.generation import utils as generation_utils
+
+    class HostEvent:   # (CPU has no torch.Event: a host copy is done when it returns)
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    def turn_on():
+        monkeypatch.setattr(torch, "Event", HostEvent)
+        monkeypatch.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(
+            lambda device, cache, returned, is_assistant: not is_assistant and (
+                cache is None or cache.is_croppable or not returned)))
+    return turn_on
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_the_deferred_stop_check_changes_nothing(family, deferred_stop_check):
+    """Found by an audit: OdaCache.crop(0) read 0 as a length to keep (transformers' contract: remove none), so under
+    the deferred check a returned cache was emptied after the first step and generation went on from one token (exit
+    0); ODA's wrapped criteria hid the max length (one extra step), and the taken-back step stayed in the routing
+    record. Tokens, decisions, rows' steps and the returned cache equal a normal run's."""
+    base = tiny_model(family)
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=1, window=3, policy=RandomPolicy(0.5, seed=3)))
+    ids, mask = left_padded_prompts(2, 10, pads=[2, 0])
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = [int(free[0, 13]), int(free[1, 15])]   # rows stop after 4 and 6 outputs (or earlier, on a repeat)
+    runs = {}
+    for deferred in (False, True):
+        if deferred:
+            deferred_stop_check()
+        for stop, returned in [(None, True), (eos, False), (eos, True)]:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0, eos_token_id=stop, return_dict_in_generate=returned)
+            sequences = out.sequences if returned else out
+            length = out.past_key_values.get_seq_length() if returned else None
+            runs[deferred, str(stop), returned] = (sequences, model.routing.decisions, model.routing.valid, length)
+    for (deferred, stop, returned), run in runs.items():
+        normal = runs[False, stop, returned]
+        assert torch.equal(run[0], normal[0]) and torch.equal(run[1], normal[1]), (deferred, stop, returned)
+        assert torch.equal(run[2], normal[2]) and run[3] == normal[3], (deferred, stop, returned)
+    assert runs[False, "None", True][1].shape == (2, 7)
+
+
+def test_crop_follows_transformers_contract():
+    """crop(-k) removes the last k positions, crop(0) none (transformers' deferred stop check calls it every step), a
+    positive count is refused as transformers refuses it; crop_to(n) keeps the first n."""
+    model = OdaForCausalLM(tiny_model("llama"), None, OdaConfig(sinks=1, window=3, policy="local"))
+    cache = model.generate(input_ids=torch.randint(3, 90, (1, 9)), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    assert cache.get_seq_length() == 12
+    cache.crop(0)
+    assert cache.get_seq_length() == 12
+    cache.crop(-2)
+    assert cache.get_seq_length() == 10
+    with pytest.raises(ValueError, match=r"crop\(5\): crop takes the number of positions to remove as a negative count"
+                                         r".*call crop_to\(5\)"):
+        cache.crop(5)
+    cache.crop_to(7)
+    assert cache.get_seq_length() == 7
