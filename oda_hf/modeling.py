@@ -12,8 +12,9 @@ and `_prepare_cache_for_generation` installs an `OdaCache`.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 import os
+import threading
 
 import torch
 from torch import nn
@@ -35,6 +36,37 @@ from .routing import RoutingRecord
 logger = logging.get_logger(__name__)
 
 _UNSUPPORTED_GENERATE_KWARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
+#: transformers' continuous batching (`generate_batch`, `cache_implementation="paged"`) runs its own paged cache and
+#: attention, where ODA's routing cannot run.
+_CONTINUOUS_BATCHING = ("transformers' continuous batching runs its own paged cache and attention, where ODA cannot "
+                        "route: serve ODA with continuous batching through vLLM (oda_hf.vllm, `oda serve`), or call "
+                        "generate() on a padded batch.")
+#: Which thread runs a generate() call on each model (id(model) -> thread id): the running request's routing state
+#: lives on the model, so a second thread's call would route (and record) with it.
+_GENERATING: dict[int, int] = {}
+_GENERATING_LOCK = threading.Lock()
+
+
+@contextmanager
+def _one_thread_generating(model):
+    """Refuse a generate() call while another thread runs one on `model` (nested calls in one thread pass)."""
+    thread = threading.get_ident()
+    with _GENERATING_LOCK:
+        running = _GENERATING.get(id(model))
+        if running is None:
+            _GENERATING[id(model)] = thread
+    if running is not None and running != thread:
+        raise RuntimeError(
+            "generate() is already running on this OdaForCausalLM in another thread: the running request's routing "
+            "state (policy, step count, record, the fast path's buffers) lives on the model, so a second call would "
+            "route with it and change its tokens. Call generate() from one thread at a time (e.g. under a "
+            "threading.Lock), or serve concurrent requests with vLLM (oda_hf.vllm).")
+    try:
+        yield
+    finally:
+        if running is None:
+            with _GENERATING_LOCK:
+                _GENERATING.pop(id(model), None)
 
 
 class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
@@ -246,6 +278,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 "commits one routed token per step. Use greedy, sampling or beam search."
             )
         self._beam_generation = (generation_config.num_beams or 1) > 1
+        if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
+            raise ValueError(
+                f"guidance_scale={generation_config.guidance_scale} (classifier-free guidance) is not supported by ODA: "
+                "its unconditional pass runs a second request through the model inside each step, which would share "
+                "the call's routing state and record. Leave guidance_scale unset (or 1).")
         if generation_config.use_cache is False:
             raise ValueError("ODA decodes from its KV cache: generate() with use_cache=False is not supported.")
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -278,6 +315,12 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         unused); with ``oda_fast=True`` on the static engine.
         ``model.routing`` is then an `ExactRecord` (drafted, accepted, corrected tokens, Full passes).
         """
+        with _one_thread_generating(self):
+            return self._generate(*args, oda_fast=oda_fast, oda_mode=oda_mode, max_draft=max_draft,
+                                  verify_threshold=verify_threshold, **kwargs)
+
+    def _generate(self, *args, oda_fast: bool, oda_mode: str, max_draft: int | None, verify_threshold: float | None,
+                  **kwargs):
         if oda_mode not in ("approximate", "exact"):
             raise ValueError(f"oda_mode must be 'approximate' (routed: Local or Full per step) or 'exact' (Local "
                              f"drafts, Full verifies); got {oda_mode!r}.")
@@ -298,6 +341,17 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         for key in _UNSUPPORTED_GENERATE_KWARGS:
             if kwargs.get(key) is not None:
                 raise ValueError(f"generate({key}=...) is not supported by ODA (it needs cache cropping/re-runs).")
+        if kwargs.get("cache_implementation") == "paged":   # (transformers switches before preparing a cache)
+            raise ValueError("generate(cache_implementation='paged') is not supported by ODA: " + _CONTINUOUS_BATCHING)
+        thread = threading.get_ident()
+        with _GENERATING_LOCK:
+            running = _GENERATING.setdefault(id(self), thread)
+        if running != thread:
+            raise RuntimeError(
+                "generate() is already running on this OdaForCausalLM in another thread: the running request's "
+                "routing state (policy, step count, record) lives on the model, so a second call would route with it "
+                "and change its tokens. Call generate() from one thread at a time (e.g. under a threading.Lock), or "
+                "serve concurrent requests with vLLM (oda_hf.vllm).")
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
         self._generate_call_starting, self._beam_generation = True, False
         self._call_eos_token_id = _NOT_SEEN
@@ -305,6 +359,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             output = super().generate(*args, **kwargs)
         finally:
             self._generate_call_starting = False
+            if running == thread and _GENERATING.get(id(self)) == thread:
+                with _GENERATING_LOCK:
+                    _GENERATING.pop(id(self), None)
         self._drop_undone_steps(output, args, kwargs)
         self._mark_eos_rows(output, kwargs)
         return output
@@ -327,6 +384,16 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         extra = self.routing.routed_steps + 1 - offset - (sequences.shape[1] - prompt_length)
         if extra > 0:
             self.routing.drop_last_steps(extra)
+
+    def generate_batch(self, *args, **kwargs):
+        raise NotImplementedError("generate_batch() is not supported by ODA: " + _CONTINUOUS_BATCHING)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        raise NotImplementedError("init_continuous_batching() is not supported by ODA: " + _CONTINUOUS_BATCHING)
+
+    def continuous_batching_context_manager(self, *args, **kwargs):
+        raise NotImplementedError("continuous_batching_context_manager() is not supported by ODA: "
+                                  + _CONTINUOUS_BATCHING)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None, **kwargs):
         # Every criterion of the call (EOS, stop strings, max length, the user's), after transformers has merged the
@@ -394,13 +461,16 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             if kwargs.pop(flag, False):
                 raise ValueError(f"{flag}=True is not supported by OdaForCausalLM (two passes per step).")
         kwargs.pop("return_dict", None)
+        labels = kwargs.pop("labels", None)
+        if use_cache is None:   # (as transformers' models: the config's, so model(ids) returns a cache to continue)
+            use_cache = getattr(self.config, "use_cache", True)
         if past_key_values is None:
             if use_cache:
                 past_key_values = self.new_cache()
             else:
                 return self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
-                                       **kwargs)
+                                       labels=labels, **kwargs)
         if not isinstance(past_key_values, OdaCache):
             raise TypeError(f"OdaForCausalLM needs an OdaCache (model.new_cache()); got {type(past_key_values).__name__}.")
         cache = past_key_values
@@ -438,7 +508,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             except BaseException:
                 cache.discard_pending()
                 raise
-        return CausalLMOutputWithPast(logits=self.lm_logits(hidden), **cache_kwargs(cache))
+        logits = self.lm_logits(hidden)
+        loss = None
+        if labels is not None:   # (the base's own loss over these logits: Full's for a prefill)
+            loss = self.base_model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(cache))
 
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
         """transformers' prefill of a generate() call. Chunked (``prefill_chunk_size``), a chunk may be one token:

@@ -81,6 +81,49 @@ def test_unsupported_generation_modes_fail_clearly():
         model.generate(input_ids=ids, max_new_tokens=4, cache_implementation="static")
     with pytest.raises(TypeError, match="OdaCache"):
         model.generate(input_ids=ids, max_new_tokens=4, **cache_kwargs(transformers.DynamicCache()))
+    # Found by an audit: transformers' continuous batching ran without ODA (paged: the prompt back with no new token,
+    # exit 0; generate_batch: every request failed), and classifier-free guidance's unconditional pass shared the
+    # call's routing state (a schedule of every second step ran Full on every step while recording half)
+    with pytest.raises(ValueError, match="cache_implementation='paged'.*through vLLM"):
+        model.generate(input_ids=ids, max_new_tokens=4, cache_implementation="paged")
+    for entry in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager"):
+        with pytest.raises(NotImplementedError, match="continuous batching runs its own paged cache"):
+            getattr(model, entry)([[5, 6, 7]])
+    with pytest.raises(ValueError, match="guidance_scale=1.5 .classifier-free guidance. is not supported"):
+        model.generate(input_ids=ids, max_new_tokens=4, guidance_scale=1.5)
+    assert model.generate(input_ids=ids, max_new_tokens=2, guidance_scale=1.0, do_sample=False).shape == (1, 11)
+
+
+def test_generate_from_a_second_thread_is_refused_while_one_runs():
+    """Found by an audit: two threads' generate() calls shared the running request's routing state (a schedule policy
+    ran other steps Full: every threaded output differed from the same call alone, exit 0)."""
+    import threading
+
+    model = OdaForCausalLM(tiny_model("llama"), oda_config=OdaConfig(sinks=2, window=4, policy=SchedulePolicy(1, 3)))
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    alone = model.generate(**kwargs)
+    errors = []
+
+    class SecondThreadCalls(StoppingCriteria):   # runs inside the first call's decode loop, once
+        def __call__(self, input_ids, scores, **_):
+            if not errors:
+                def second():
+                    try:
+                        model.generate(**kwargs)
+                        errors.append(None)
+                    except RuntimeError as err:
+                        errors.append(err)
+                worker = threading.Thread(target=second)
+                worker.start()
+                worker.join()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    first = model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([SecondThreadCalls()]))
+    assert isinstance(errors[0], RuntimeError) and "already running on this OdaForCausalLM in another thread" in \
+        str(errors[0])
+    assert torch.equal(first, alone)
+    assert torch.equal(model.generate(**kwargs), alone)   # the first call's end frees the model for any thread
 
 
 def test_routing_excludes_prefill_output_and_rows_after_eos():
@@ -180,6 +223,32 @@ def test_manual_decode_loop_with_forward():
     assert cache.get_seq_length() == 8 + 5 and model.routing.routed_steps == 5
     reference = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert reference[0, 8:].tolist() == tokens
+
+
+def test_the_stock_manual_decoding_idiom_continues_from_the_returned_cache():
+    """``out = model(ids)`` then ``model(next, past_key_values=out.past_key_values)`` (transformers' manual loop, no
+    use_cache given): the first call returned no cache (use_cache None was read as False), so each later step decoded
+    one token without history (exit 0). It now returns an OdaCache, as stock models return theirs."""
+    base = tiny_model("llama")
+    model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="local"))
+    ids = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    out = model(ids)
+    assert isinstance(out.past_key_values, OdaCache)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(5):
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    assert model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 8:].tolist() == tokens
+
+
+def test_labels_give_the_base_models_loss_with_or_without_a_cache():
+    """labels with a cache were dropped (loss None, exit 0): the prefill's loss is the base's (Full)."""
+    base = tiny_model("llama")
+    model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="local"))
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(4))
+    expected = base(input_ids=ids, labels=ids).loss
+    for extra in ({}, {"use_cache": False}, {"use_cache": True}, {"cache": model.new_cache()}):
+        torch.testing.assert_close(model(input_ids=ids, labels=ids, **extra).loss, expected)
 
 
 def test_no_cache_forward_is_plain_full():
