@@ -475,6 +475,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             raise TypeError(f"OdaForCausalLM needs an OdaCache (model.new_cache()); got {type(past_key_values).__name__}.")
         cache = past_key_values
         self._check_cache_geometry(cache)
+        held = next((layer.keys for layer in cache.global_layers if layer.is_initialized), None)
+        if held is not None and held.is_inference() and not torch.is_inference_mode_enabled():
+            # (the cache writes into its buffers in place, which torch refuses for inference tensors)
+            raise RuntimeError("This OdaCache was filled under torch.inference_mode(), so it can only be continued "
+                               "under it: continue inside torch.inference_mode(), or fill it under torch.no_grad().")
         batch_size, num_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         prefill = cache.get_seq_length() == 0 or num_tokens > 1 or self._prefilled_chunk
         self._prefilled_chunk = prefill and self._prefilling

@@ -251,6 +251,18 @@ def test_labels_give_the_base_models_loss_with_or_without_a_cache():
         torch.testing.assert_close(model(input_ids=ids, labels=ids, **extra).loss, expected)
 
 
+def test_a_cache_filled_under_inference_mode_continues_only_under_it():
+    """Its in-place writes failed with torch's own error outside inference mode; now a message names the fix."""
+    model = OdaForCausalLM(tiny_model("llama"), oda_config=OdaConfig(sinks=2, window=4, policy="local"))
+    ids = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        out = model(ids)
+    with pytest.raises(RuntimeError, match="filled under torch.inference_mode.*continue inside"):
+        model(ids[:, :1], past_key_values=out.past_key_values)
+    with torch.inference_mode():
+        assert model(ids[:, :1], past_key_values=out.past_key_values).logits.shape == (1, 1, 97)
+
+
 def test_no_cache_forward_is_plain_full():
     base = tiny_model("llama")
     model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="local"))
