@@ -248,6 +248,8 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         raise ValueError("Exact mode supports left padding only: the last column must be a real token in every row "
                          "(pad on the left, e.g. tokenizer.padding_side='left').")
     _check_no_interior_holes_under_sliding_windows(model, request.attention_mask)
+    _check_static_rope(model, int(request.attention_mask.sum(dim=1).max()) + request.max_new_tokens
+                       + settings.max_draft)
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
     batch = request.input_ids.shape[0]
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
@@ -269,6 +271,30 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         new[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     sequences = torch.cat([request.input_ids, new], dim=1)
     return GenerateDecoderOnlyOutput(sequences=sequences) if request.return_dict else sequences
+
+
+def _check_static_rope(model, reach: int) -> None:
+    """Refuse a RoPE whose frequencies follow the longest position of each forward ("dynamic", "longrope") once a
+    request can pass the length where they change: a verification pass runs several positions in one forward, so its
+    tokens would get the frequencies of its last position where stock decoding, one position per forward, gives each
+    its own (greedy output then differs from Full's with no near tie to show it)."""
+    from .engine.support import HOST_DEPENDENT_ROPE, rope_types
+
+    config = model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for kind in rope_types(config):
+        if not any(name in kind for name in HOST_DEPENDENT_ROPE):
+            continue
+        nested = [value for value in params.values() if isinstance(value, dict)] if isinstance(params, dict) else []
+        originals = [p.get("original_max_position_embeddings") for p in (nested or [params]) if isinstance(p, dict)]
+        limit = min([o for o in originals if isinstance(o, int)] + [config.max_position_embeddings])
+        if reach > limit:
+            raise ExactDecodingUnsupported(
+                f"oda_mode='exact' on this model's {kind!r} RoPE: its frequencies change past {limit} positions, "
+                f"following the longest position of each forward, and this request reaches {reach} (prompt + "
+                "max_new_tokens + max_draft), where a verification pass over several positions would not give "
+                "stock's tokens. Keep requests within that length, or use oda_mode='approximate'.")
 
 
 def _full_pass(model, cache: OdaCache, tokens: list[int], start: int) -> torch.Tensor:

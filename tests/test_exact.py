@@ -476,3 +476,30 @@ def test_without_a_length_it_generates_what_stock_generates(prompt_length):
     assert approximate.shape == expected.shape
     capped = exact_model("qwen3", max_position_embeddings=prompt_length + 5)   # generate() caps it there
     assert exact(capped, ids).shape[1] == capped.base_model.generate(ids, do_sample=False, pad_token_id=0).shape[1]
+
+
+HOST_DEPENDENT_ROPE_CASES = {
+    "dynamic": dict(rope_parameters={"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0},
+                    max_position_embeddings=32),
+    "longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "original_max_position_embeddings": 32, "short_factor": [1.0] * 4,
+                                      "long_factor": [1.0, 4.0, 16.0, 64.0]}, max_position_embeddings=128),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(HOST_DEPENDENT_ROPE_CASES))
+@pytest.mark.parametrize("oda_fast", [False, True])
+def test_rope_that_follows_the_longest_position_is_refused_past_its_length(rope, oda_fast):
+    """Found by an audit: "dynamic" / "longrope" RoPE picks frequencies from each forward's longest position, so a
+    verification pass over several positions past the original length gave other tokens than stock (4 of 6 greedy
+    runs for longrope, no near tie counted, exit 0). Past that length exact mode refuses; within it, it is stock's."""
+    from oda_hf.exact import ExactDecodingUnsupported
+
+    model = exact_model("llama", **HOST_DEPENDENT_ROPE_CASES[rope])
+    ids = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(do_sample=False, pad_token_id=0, oda_mode="exact", max_draft=4, verify_threshold=math.inf,
+                  oda_fast=oda_fast)
+    with pytest.raises(ExactDecodingUnsupported, match=f"'{rope}' RoPE: its frequencies change past 32 positions.*"
+                                                       "reaches 34"):
+        model.generate(ids, max_new_tokens=10, **kwargs)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, **kwargs), stock(model, ids, max_new_tokens=8))
