@@ -97,6 +97,10 @@ def test_rerun_skips_finished_shards_and_rejects_other_settings(tmp_path):
         sc.cache_supervision(model, rows, tmp_path / "x", dtype="int8")
 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
+    older = {k: v for k, v in manifest.items() if k != "eligibility"}   # an older oda_hf's rule: not resumed into
+    (tmp_path / "manifest.json").write_text(json.dumps(older))
+    with pytest.raises(ValueError, match="eligibility: cache None"):
+        sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
     manifest["shards"] = manifest["shards"][:1]
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="incomplete"):

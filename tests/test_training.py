@@ -88,7 +88,8 @@ def test_eligibility_starts_at_s_plus_w_plus_one():
     labels = torch.ones(1, 12, dtype=torch.long)
     labels[0, 8] = -100
     masked = build_layout(torch.ones(1, 12, dtype=torch.long), labels=labels, sinks=S, window=W)
-    assert not masked.eligible[0, 7] and masked.eligible[0, 8]           # the masked label is x_{t+1} of t = 7
+    assert not masked.eligible[0, 7] and masked.eligible[0, 9]           # the masked label is x_{t+1} of t = 7
+    assert not masked.eligible[0, 8]   # ...and token 8 is not generated (a prompt's): inference never routes it
     gap = torch.arange(12)[None].clone()
     gap[0, 9:] += 5                                                       # non-consecutive, same segment
     skipped = build_layout(torch.ones(1, 12, dtype=torch.long), position_ids=gap, sinks=S, window=W)
@@ -431,3 +432,33 @@ def test_fetched_or_shipped_base_is_recorded_by_short_name(tmp_path):
     saved = {**trainer.supervision_settings, "base_model": organism_dir("backbone")}
     assert _differences(saved, trainer.supervision_settings) == []
     assert _differences({**saved, "base_model": "/elsewhere/base"}, trainer.supervision_settings)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_with_a_masked_prompt_training_feeds_what_inference_feeds_after_the_prefill(family):
+    """Found by an audit: the last token of a masked prompt was eligible (its label, the first answer token, is
+    unmasked), though inference never routes it (the prefill is Full); the next position then trained on that
+    token's Local H, where inference feeds its Full state (6 of 8 documents differed on a tiny Llama). The first
+    answer token is the first eligible position, and its H is what OdaForCausalLM's first routed step feeds."""
+    from tiny_models import VOCAB
+
+    sinks, window, prompt, length = 2, 3, 10, 16
+    base = tiny_model(family)
+    torch.manual_seed(1)
+    model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
+                           OdaConfig(sinks=sinks, window=window, policy="head"))
+    for seed in range(4):
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+        labels = ids.clone()
+        labels[0, :prompt] = -100
+        paired = paired_supervision(model, ids, labels=labels, tau_hist=1e9)   # every eligible step passes H on
+        columns = paired.cols.tolist()
+        assert prompt - 1 not in columns and columns[0] == prompt
+        seen = {}
+        hook = model.recall_head.register_forward_hook(lambda module, args, out: seen.update(H=args[0][0].clone()))
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(input_ids=ids[:, :prompt], past_key_values=cache)
+            model(input_ids=ids[:, prompt:prompt + 1], past_key_values=cache)
+        hook.remove()
+        torch.testing.assert_close(paired.prev_hidden[0], seen["H"], atol=1e-5, rtol=1e-5)

@@ -104,7 +104,11 @@ def build_layout(
         ok &= position_ids[:, nxt] == position_ids[:, cur] + 1
         ok &= index[:, cur] > sinks + window
         if labels is not None:
-            ok &= labels[:, nxt].to(device) != IGNORE_INDEX
+            labels = labels.to(device)
+            # ...and, with labels, a current token that is itself labelled (generated): a masked prompt's last token
+            # is never a routed step (the prefill is Full and sets the next step's H to its Full state), so it would
+            # train a decision never made and hand the next position a Local H inference never gives
+            ok &= (labels[:, nxt] != IGNORE_INDEX) & (labels[:, cur] != IGNORE_INDEX)
         eligible[:, cur] = ok
     return SequenceLayout(valid=valid, position_ids=position_ids, segment=segment, index=index,
                           segment_start=segment_start, prev_column=prev_column, eligible=eligible,

@@ -47,6 +47,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from ..files import atomic_path, output_lock, remove_stale_partials, write_json
 from ..head import base_fingerprint as weights_fingerprint
@@ -57,13 +58,18 @@ from .paired import LM_CHUNK, paired_supervision
 from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
 from ..validation import MAX_SPAN, integer, number
 
+logger = logging.get_logger(__name__)
+
 MANIFEST_NAME = "manifest.json"
 CACHE_FORMAT = "oda-supervision-cache/1"
 INPUT_TENSORS = ("prev_hidden", "input_embeds", "local_hidden")
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Manifest keys that must agree for a cache to be resumed or trained from.
 IDENTITY_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "seq_len", "data_sha256", "rows",
-                 "rows_per_shard", "dtype", "hidden_size")
+                 "rows_per_shard", "dtype", "hidden_size", "eligibility")
+#: The eligibility rule the cached rows follow (`layout.build_layout`); caches without it (older oda_hf) made a masked
+#: prompt's last token eligible too, so rows of the two rules are never resumed into or trained on together.
+ELIGIBILITY = "labelled current and next token"
 
 
 def rows_sha256(rows: Sequence[dict]) -> str:
@@ -172,7 +178,7 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
         "format": CACHE_FORMAT, "base": base_name or getattr(model.base_model.config, "_name_or_path", None),
         "base_fingerprint": base_fingerprint(model), "sinks": sinks, "window": window, "tau_hist": float(tau_hist),
         "seq_len": seq_len, "data_sha256": rows_sha256(rows), "rows": len(rows), "rows_per_shard": rows_per_shard,
-        "dtype": dtype, "hidden_size": hidden_size, "shards": [],
+        "dtype": dtype, "hidden_size": hidden_size, "eligibility": ELIGIBILITY, "shards": [],
     }
     # One writer per cache folder; the lock is held until the last shard is recorded.
     with output_lock(output_dir, "this supervision cache"):
@@ -333,10 +339,14 @@ class SupervisionCache(_CacheSettings):
         if base_fingerprint(model) != self.manifest["base_fingerprint"]:
             raise ValueError(f"The supervision cache {self.path} was made with another base model "
                              f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
+        if self.manifest.get("eligibility") != ELIGIBILITY:
+            logger.warning(f"The supervision cache {self.path} was made by an older oda_hf, which also trained the last "
+                           "token of a masked prompt (never a routed step at inference) and gave the next position "
+                           "its Local H: cache the data again for rows of the current rule (docs/method.md).")
 
 
 #: Manifest keys that caches trained on together must share (their rows may differ, and their seq_len and dtype).
-SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size")
+SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size", "eligibility")
 
 
 class CombinedSupervisionCache(_CacheSettings):
