@@ -66,7 +66,7 @@ INPUT_TENSORS = ("prev_hidden", "input_embeds", "local_hidden")
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Manifest keys that must agree for a cache to be resumed or trained from.
 IDENTITY_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "seq_len", "data_sha256", "rows",
-                 "rows_per_shard", "dtype", "hidden_size", "eligibility")
+                 "rows_per_shard", "dtype", "hidden_size", "eligibility", "base_config_sha256")
 #: The eligibility rule the cached rows follow (`layout.build_layout`); caches without it (older oda_hf) made a masked
 #: prompt's last token eligible too, so rows of the two rules are never resumed into or trained on together.
 ELIGIBILITY = "labelled current and next token"
@@ -91,6 +91,26 @@ def base_fingerprint(model) -> str:
     """
     base = model.base_model if isinstance(model, OdaForCausalLM) else model
     return hashlib.sha256(f"{weights_fingerprint(base)}|{base.dtype}".encode()).hexdigest()
+
+
+#: Config fields that change what the base computes from the same weights (RoPE, windows, attention shape, norms,
+#: soft-capping, linear-attention shape): a cache's hidden states and gains hold for these values only.
+FORWARD_CONFIG_KEYS = (
+    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "sliding_window", "layer_types",
+    "use_sliding_window", "max_window_layers", "attention_chunk_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar",
+    "attn_logit_softcapping", "final_logit_softcapping", "full_attention_interval", "linear_conv_kernel_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+)
+
+
+def base_config_fingerprint(model) -> str:
+    """SHA-256 of the base's `FORWARD_CONFIG_KEYS` (its weights are `base_fingerprint`'s): the same weights under
+    another RoPE scaling or sliding window compute other hidden states."""
+    base = model.base_model if isinstance(model, OdaForCausalLM) else model
+    config = base.config.get_text_config(decoder=True).to_dict()
+    fields = {key: config[key] for key in FORWARD_CONFIG_KEYS if key in config}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _shard_name(index: int, count: int) -> str:
@@ -178,7 +198,8 @@ def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: s
         "format": CACHE_FORMAT, "base": base_name or getattr(model.base_model.config, "_name_or_path", None),
         "base_fingerprint": base_fingerprint(model), "sinks": sinks, "window": window, "tau_hist": float(tau_hist),
         "seq_len": seq_len, "data_sha256": rows_sha256(rows), "rows": len(rows), "rows_per_shard": rows_per_shard,
-        "dtype": dtype, "hidden_size": hidden_size, "eligibility": ELIGIBILITY, "shards": [],
+        "dtype": dtype, "hidden_size": hidden_size, "eligibility": ELIGIBILITY,
+        "base_config_sha256": base_config_fingerprint(model), "shards": [],
     }
     # One writer per cache folder; the lock is held until the last shard is recorded.
     with output_lock(output_dir, "this supervision cache"):
@@ -339,6 +360,11 @@ class SupervisionCache(_CacheSettings):
         if base_fingerprint(model) != self.manifest["base_fingerprint"]:
             raise ValueError(f"The supervision cache {self.path} was made with another base model "
                              f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
+        recorded = self.manifest.get("base_config_sha256")   # (older caches did not record it)
+        if recorded is not None and recorded != base_config_fingerprint(model):
+            raise ValueError(f"The supervision cache {self.path} was made with this base's weights under another "
+                             "configuration (RoPE scaling, sliding window, attention or norm settings): its hidden "
+                             "states and gains are not what this model computes. Cache again with this model.")
         if self.manifest.get("eligibility") != ELIGIBILITY:
             logger.warning(f"The supervision cache {self.path} was made by an older oda_hf, which also trained the last "
                            "token of a masked prompt (never a routed step at inference) and gave the next position "
@@ -346,7 +372,7 @@ class SupervisionCache(_CacheSettings):
 
 
 #: Manifest keys that caches trained on together must share (their rows may differ, and their seq_len and dtype).
-SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size", "eligibility")
+SHARED_KEYS = ("base_fingerprint", "sinks", "window", "tau_hist", "hidden_size", "eligibility", "base_config_sha256")
 
 
 class CombinedSupervisionCache(_CacheSettings):
