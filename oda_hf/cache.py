@@ -281,23 +281,29 @@ class OdaGlobalLayer(CacheLayerMixin):
         The complete history is kept, so the Local workspace is re-derived from it: the ring slots the removed
         positions overwrote get their older positions back. Rows are left-padded (as `generate` pads), so a row's
         valid positions are its last `valid_count` columns and cropping removes the same count from every row."""
+        self.check_crop(max_length)
+        removed = self.seq_length - max_length
+        if not self.is_initialized or removed <= 0:
+            return
+        self.seq_length = max_length
+        self.valid_count -= removed
+        self.sync_workspace()
+
+    def check_crop(self, max_length: int) -> None:
+        """Raise if `crop_to(max_length)` cannot be done (nothing changes here)."""
         if not self.is_initialized:
             return
         if self.pending:
             raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
-        length = self.seq_length
-        removed = length - max_length
+        removed = self.seq_length - max_length
         if removed <= 0:
             return
         if removed > int(self.valid_count.min()):
-            raise ValueError(f"crop({max_length}) would remove {removed} positions, more than a row holds.")
+            raise ValueError(f"crop_to({max_length}) would remove {removed} positions, more than a row holds.")
         if self.interior_holes:   # the workspace would be re-derived from other columns than the row's own
             raise ValueError("crop() needs every row's history to be its last columns (left padding), but a row of "
                              "this cache has masked columns inside its history (attention_mask zeros after its first "
                              "real token). Generate again from the shorter prompt instead.")
-        self.seq_length = max_length
-        self.valid_count -= removed
-        self.sync_workspace()
 
     def sync_workspace(self) -> None:
         """Write every row's sinks and its last ``window - 1`` valid positions into the workspace from the complete
@@ -368,20 +374,29 @@ class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
         It holds no more than those unless past recording is on (`activate_past_recording`, as exact decoding and
         transformers' deferred stop check do): a crop needing an evicted position is an error, never a silent wrong
         window."""
+        self.check_crop(max_length)
+        if not self.is_initialized:
+            return
+        length = self.cumulative_length
+        held = self.keys.shape[-2]  # positions [length - held, length)
+        start = max(0, max_length - (self.sliding_window - 1))
+        begin, end = start - (length - held), min(max_length, length) - (length - held)
+        self.keys, self.values = self.keys[:, :, begin:end], self.values[:, :, begin:end]
+        self.cumulative_length = min(max_length, length)
+
+
+    def check_crop(self, max_length: int) -> None:
+        """Raise if `crop_to(max_length)` cannot be done (nothing changes here)."""
         if not self.is_initialized:
             return
         if self.pending:
             raise RuntimeError("crop() with an uncommitted step: commit or discard it first.")
-        length = self.cumulative_length
-        held = self.keys.shape[-2]  # positions [length - held, length)
+        length, held = self.cumulative_length, self.keys.shape[-2]
         start = max(0, max_length - (self.sliding_window - 1))
         if max_length < length and start < length - held:
             raise ValueError(
                 f"This sliding-window layer no longer holds position {start} (it keeps its last {held}); call "
                 "activate_past_recording() before the steps that may be cropped.")
-        begin, end = start - (length - held), min(max_length, length) - (length - held)
-        self.keys, self.values = self.keys[:, :, begin:end], self.values[:, :, begin:end]
-        self.cumulative_length = min(max_length, length)
 
 
 class OdaLinearAttentionLayer(LinearAttentionLayer):
@@ -409,7 +424,7 @@ class OdaLinearAttentionLayer(LinearAttentionLayer):
             store[i].copy_(select_rows(select_full, store[i], local))
 
     def crop(self, tokens_to_remove: int) -> None:
-        if removal_count(tokens_to_remove) == 0:
+        if tokens_to_remove == 0:
             return
         raise ValueError(
             "Gated DeltaNet state is one recurrent state, not one entry per position: it cannot be cropped. Take an "
@@ -644,9 +659,11 @@ class OdaCache(Cache):
         removed = self.get_seq_length() - max_length
         if self.linear_layers and removed > 0:
             self.linear_layers[0].crop(-removed)  # raises, naming checkpoint/rollback
-        for layer in self.layers:
-            if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer)):
-                layer.crop_to(max_length)
+        croppable = [layer for layer in self.layers if isinstance(layer, (OdaGlobalLayer, OdaSlidingWindowLayer))]
+        for layer in croppable:   # every layer first: a refusal leaves none cropped
+            layer.check_crop(max_length)
+        for layer in croppable:
+            layer.crop_to(max_length)
 
     def checkpoint(self) -> "CacheCheckpoint":
         """The committed state now, to `rollback` to after speculative steps (no pending step allowed)."""

@@ -248,8 +248,8 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         raise ValueError("Exact mode supports left padding only: the last column must be a real token in every row "
                          "(pad on the left, e.g. tokenizer.padding_side='left').")
     _check_no_interior_holes_under_sliding_windows(model, request.attention_mask)
-    _check_static_rope(model, int(request.attention_mask.sum(dim=1).max()) + request.max_new_tokens
-                       + settings.max_draft)
+    # (the last output token is never fed: the longest forward reads prompt + max_new_tokens - 1 positions)
+    _check_static_rope(model, int(request.attention_mask.sum(dim=1).max()) + request.max_new_tokens - 1)
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
     batch = request.input_ids.shape[0]
     record = ExactRecord(batch, settings.max_draft, settings.verify_threshold)
@@ -293,7 +293,7 @@ def _check_static_rope(model, reach: int) -> None:
             raise ExactDecodingUnsupported(
                 f"oda_mode='exact' on this model's {kind!r} RoPE: its frequencies change past {limit} positions, "
                 f"following the longest position of each forward, and this request reaches {reach} (prompt + "
-                "max_new_tokens + max_draft), where a verification pass over several positions would not give "
+                "max_new_tokens - 1), where a verification pass over several positions would not give "
                 "stock's tokens. Keep requests within that length, or use oda_mode='approximate'.")
 
 

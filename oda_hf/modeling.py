@@ -41,32 +41,30 @@ _UNSUPPORTED_GENERATE_KWARGS = ("assistant_model", "prompt_lookup_num_tokens", "
 _CONTINUOUS_BATCHING = ("transformers' continuous batching runs its own paged cache and attention, where ODA cannot "
                         "route: serve ODA with continuous batching through vLLM (oda_hf.vllm, `oda serve`), or call "
                         "generate() on a padded batch.")
-#: Which thread runs a generate() call on each model (id(model) -> thread id): the running request's routing state
-#: lives on the model, so a second thread's call would route (and record) with it.
-_GENERATING: dict[int, int] = {}
+#: One lock per model (id(model) -> [lock, thread running a call]): the running request's routing state lives on the
+#: model, so generate() calls on one model run one after another.
+_GENERATING: dict[int, list] = {}
 _GENERATING_LOCK = threading.Lock()
 
 
 @contextmanager
-def _one_thread_generating(model):
-    """Refuse a generate() call while another thread runs one on `model` (nested calls in one thread pass)."""
+def _one_call_at_a_time(model):
+    """Run one generate() call on `model` at a time: a call from another thread waits for the running one to end; a
+    call from inside the running one (a stopping criterion, streamer or logits processor calling generate() on the
+    same model) is refused, since it would replace the running request's policy state and record."""
     thread = threading.get_ident()
     with _GENERATING_LOCK:
-        running = _GENERATING.get(id(model))
-        if running is None:
-            _GENERATING[id(model)] = thread
-    if running is not None and running != thread:
-        raise RuntimeError(
-            "generate() is already running on this OdaForCausalLM in another thread: the running request's routing "
-            "state (policy, step count, record, the fast path's buffers) lives on the model, so a second call would "
-            "route with it and change its tokens. Call generate() from one thread at a time (e.g. under a "
-            "threading.Lock), or serve concurrent requests with vLLM (oda_hf.vllm).")
-    try:
-        yield
-    finally:
-        if running is None:
-            with _GENERATING_LOCK:
-                _GENERATING.pop(id(model), None)
+        entry = _GENERATING.setdefault(id(model), [threading.Lock(), None])
+    if entry[1] == thread:
+        raise RuntimeError("generate() was called on this OdaForCausalLM from inside a generate() call on it (e.g. "
+                           "from a stopping criterion or streamer): the inner request would replace the running one's "
+                           "routing state. Call it after the outer call returns, or on another OdaForCausalLM.")
+    with entry[0]:
+        entry[1] = thread
+        try:
+            yield
+        finally:
+            entry[1] = None
 
 
 class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
@@ -280,8 +278,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._beam_generation = (generation_config.num_beams or 1) > 1
         if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
             raise ValueError(
-                f"guidance_scale={generation_config.guidance_scale} (classifier-free guidance) is not supported by ODA: "
-                "its unconditional pass runs a second request through the model inside each step, which would share "
+                f"guidance_scale={generation_config.guidance_scale} (classifier-free guidance) is not supported by "
+                "ODA: its unconditional pass runs a second request through the model inside each step, which would share "
                 "the call's routing state and record. Leave guidance_scale unset (or 1).")
         if generation_config.use_cache is False:
             raise ValueError("ODA decodes from its KV cache: generate() with use_cache=False is not supported.")
@@ -315,7 +313,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         unused); with ``oda_fast=True`` on the static engine.
         ``model.routing`` is then an `ExactRecord` (drafted, accepted, corrected tokens, Full passes).
         """
-        with _one_thread_generating(self):
+        with _one_call_at_a_time(self):
             return self._generate(*args, oda_fast=oda_fast, oda_mode=oda_mode, max_draft=max_draft,
                                   verify_threshold=verify_threshold, **kwargs)
 
@@ -343,15 +341,6 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError(f"generate({key}=...) is not supported by ODA (it needs cache cropping/re-runs).")
         if kwargs.get("cache_implementation") == "paged":   # (transformers switches before preparing a cache)
             raise ValueError("generate(cache_implementation='paged') is not supported by ODA: " + _CONTINUOUS_BATCHING)
-        thread = threading.get_ident()
-        with _GENERATING_LOCK:
-            running = _GENERATING.setdefault(id(self), thread)
-        if running != thread:
-            raise RuntimeError(
-                "generate() is already running on this OdaForCausalLM in another thread: the running request's "
-                "routing state (policy, step count, record) lives on the model, so a second call would route with it "
-                "and change its tokens. Call generate() from one thread at a time (e.g. under a threading.Lock), or "
-                "serve concurrent requests with vLLM (oda_hf.vllm).")
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
         self._generate_call_starting, self._beam_generation = True, False
         self._call_eos_token_id = _NOT_SEEN
@@ -359,9 +348,6 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             output = super().generate(*args, **kwargs)
         finally:
             self._generate_call_starting = False
-            if running == thread and _GENERATING.get(id(self)) == thread:
-                with _GENERATING_LOCK:
-                    _GENERATING.pop(id(self), None)
         self._drop_undone_steps(output, args, kwargs)
         self._mark_eos_rows(output, kwargs)
         return output
@@ -451,8 +437,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
     ) -> CausalLMOutputWithPast:
         """Prefill (Full) when the cache is empty or several tokens arrive; otherwise one routed step.
 
-        Without a cache this is the base model's plain Full forward. The cache comes as ``cache``
-        (transformers >= 5.24) or ``past_key_values`` (5.23); both names are accepted.
+        With ``use_cache=False`` this is the base model's plain Full forward; otherwise (``use_cache`` None reads
+        the config's, as transformers' models do) a call without a cache makes one, and a call whose cache is empty
+        starts a request: `routing` then describes it. The cache comes as ``cache`` (transformers >= 5.24) or
+        ``past_key_values`` (5.23); both names are accepted. ``labels`` give the base's loss over the logits
+        returned (a prefill's are Full's).
         """
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("Pass the OdaCache once: as cache= or as past_key_values=, not both.")
@@ -462,6 +451,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                 raise ValueError(f"{flag}=True is not supported by OdaForCausalLM (two passes per step).")
         kwargs.pop("return_dict", None)
         labels = kwargs.pop("labels", None)
+        # (the loss function's own arguments: HF Trainer passes num_items_in_batch under gradient accumulation)
+        loss_kwargs = {key: kwargs.pop(key) for key in ("num_items_in_batch", "ignore_index", "shift_labels")
+                       if key in kwargs}
         if use_cache is None:   # (as transformers' models: the config's, so model(ids) returns a cache to continue)
             use_cache = getattr(self.config, "use_cache", True)
         if past_key_values is None:
@@ -470,7 +462,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             else:
                 return self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                        inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
-                                       labels=labels, **kwargs)
+                                       labels=labels, **loss_kwargs, **kwargs)
         if not isinstance(past_key_values, OdaCache):
             raise TypeError(f"OdaForCausalLM needs an OdaCache (model.new_cache()); got {type(past_key_values).__name__}.")
         cache = past_key_values
@@ -516,7 +508,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         logits = self.lm_logits(hidden)
         loss = None
         if labels is not None:   # (the base's own loss over these logits: Full's for a prefill)
-            loss = self.base_model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+            loss = self.base_model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1],
+                                                 **loss_kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(cache))
 
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):

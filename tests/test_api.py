@@ -94,37 +94,42 @@ def test_unsupported_generation_modes_fail_clearly():
     assert model.generate(input_ids=ids, max_new_tokens=2, guidance_scale=1.0, do_sample=False).shape == (1, 11)
 
 
-def test_generate_from_a_second_thread_is_refused_while_one_runs():
+def test_generate_calls_on_one_model_run_one_at_a_time():
     """Found by an audit: two threads' generate() calls shared the running request's routing state (a schedule policy
-    ran other steps Full: every threaded output differed from the same call alone, exit 0)."""
+    ran other steps Full: every threaded output differed from the same call alone, exit 0). A second thread's call now
+    waits for the running one; a call from inside the running one is refused (it would replace its state)."""
     import threading
 
     model = OdaForCausalLM(tiny_model("llama"), oda_config=OdaConfig(sinks=2, window=4, policy=SchedulePolicy(1, 3)))
     ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(1))
     kwargs = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     alone = model.generate(**kwargs)
-    errors = []
+    events, outputs, errors = [], {}, []
 
-    class SecondThreadCalls(StoppingCriteria):   # runs inside the first call's decode loop, once
+    def second():
+        outputs["second"] = model.generate(**kwargs)
+        events.append("second ended")
+
+    worker = threading.Thread(target=second)
+
+    class StartsASecondCall(StoppingCriteria):   # runs inside the first call's decode loop
         def __call__(self, input_ids, scores, **_):
-            if not errors:
-                def second():
-                    try:
-                        model.generate(**kwargs)
-                        errors.append(None)
-                    except RuntimeError as err:
-                        errors.append(err)
-                worker = threading.Thread(target=second)
+            if not worker.is_alive() and "second ended" not in events:
                 worker.start()
-                worker.join()
+                worker.join(timeout=0.5)   # it waits for this call instead of running beside it
+                events.append("first still running")
+            try:
+                if not errors:
+                    model.generate(**kwargs)   # nested, in the same thread
+            except RuntimeError as err:
+                errors.append(err)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    first = model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([SecondThreadCalls()]))
-    assert isinstance(errors[0], RuntimeError) and "already running on this OdaForCausalLM in another thread" in \
-        str(errors[0])
-    assert torch.equal(first, alone)
-    assert torch.equal(model.generate(**kwargs), alone)   # the first call's end frees the model for any thread
-
+    first = model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([StartsASecondCall()]))
+    worker.join()
+    assert events[0] == "first still running" and events[-1] == "second ended"
+    assert torch.equal(first, alone) and torch.equal(outputs["second"], alone)
+    assert "from inside a generate() call on it" in str(errors[0])
 
 def test_routing_excludes_prefill_output_and_rows_after_eos():
     base = tiny_model("qwen3")
@@ -249,6 +254,9 @@ def test_labels_give_the_base_models_loss_with_or_without_a_cache():
     expected = base(input_ids=ids, labels=ids).loss
     for extra in ({}, {"use_cache": False}, {"use_cache": True}, {"cache": model.new_cache()}):
         torch.testing.assert_close(model(input_ids=ids, labels=ids, **extra).loss, expected)
+    # (HF Trainer's gradient accumulation passes num_items_in_batch to the loss: it was dropped with a cache)
+    accumulated = base(input_ids=ids, labels=ids, num_items_in_batch=5).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, num_items_in_batch=5).loss, accumulated)
 
 
 def test_a_cache_filled_under_inference_mode_continues_only_under_it():

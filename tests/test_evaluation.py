@@ -1124,3 +1124,24 @@ def test_trajectory_file_stems_of_ids_that_print_alike_differ():
 
     assert file_stem("qa/1") == file_stem("qa_1") == "qa_1"   # RULER-style ids keep readable names
     assert file_stem("qa_1", hashed=True) not in ("qa_1", file_stem("qa/1", hashed=True))
+
+
+def test_an_earlier_version_brought_back_must_be_scored_as_the_rest():
+    """A stale matched Random record gives way to an earlier version at the current rate, which a rerun over fewer
+    prompts did not rescore: scored against old answers beside Full against new ones, it is refused, not reported."""
+    matched = runner.random_matched(0.5, 0).name
+
+    def rec(policy, kind, answers, score, **changes):
+        record = {"id": "e0", "task": "t", "metric": "string_match_all", "scorer": "string_match_all/v1",
+                  "answers": answers, "score": score, "policy": policy, "kind": kind, "threshold": None,
+                  "full_calls": 2, "routed_steps": 4, "window_steps": 0, "window_full_calls": 0, "output": "w5",
+                  "settings": {"random_draws": runner.RANDOM_DRAWS}}
+        return {**record, **changes}
+
+    records = [rec("full", "full", ["w5"], 1.0), rec(runner.oda(0.5).name, "oda", ["w5"], 1.0, threshold=0.5),
+               rec(matched, "random", ["w5"], 1.0, threshold=0.5, p=0.25)]   # redrawn at another rate
+    versions = {("e0", matched): [rec(matched, "random", ["w9"], 0.0, threshold=0.5, p=0.5), records[2]]}
+    with pytest.raises(ValueError, match="example e0 is scored otherwise .answers."):
+        runner.current_records(records, versions)
+    versions[("e0", matched)][0]["answers"] = ["w5"]   # rescored alike: reported
+    assert [r["p"] for r in runner.current_records(records, versions) if r["kind"] == "random"] == [0.5]

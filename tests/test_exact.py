@@ -500,6 +500,33 @@ def test_rope_that_follows_the_longest_position_is_refused_past_its_length(rope,
     kwargs = dict(do_sample=False, pad_token_id=0, oda_mode="exact", max_draft=4, verify_threshold=math.inf,
                   oda_fast=oda_fast)
     with pytest.raises(ExactDecodingUnsupported, match=f"'{rope}' RoPE: its frequencies change past 32 positions.*"
-                                                       "reaches 34"):
-        model.generate(ids, max_new_tokens=10, **kwargs)
-    assert torch.equal(model.generate(ids, max_new_tokens=8, **kwargs), stock(model, ids, max_new_tokens=8))
+                                                       "reaches 33"):
+        model.generate(ids, max_new_tokens=14, **kwargs)
+    # up to the limit: the longest forward reads 20 + 13 - 1 = 32 positions
+    assert torch.equal(model.generate(ids, max_new_tokens=13, **kwargs), stock(model, ids, max_new_tokens=13))
+
+
+def test_a_refused_crop_leaves_every_layer_as_it_was():
+    """Found by a review: layers were cropped in model order, so on Gemma 3 a sliding layer was cropped before a
+    global layer refused (a history with masked interior columns), leaving layers of different lengths."""
+    from oda_hf.cache import OdaSlidingWindowLayer
+
+    model = OdaForCausalLM(tiny_model("gemma3"), None, OdaConfig(sinks=1, window=3, policy="local"))
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:8] = 0
+    cache = model.new_cache()
+    for layer in cache.layers:
+        if isinstance(layer, OdaSlidingWindowLayer):
+            layer.activate_past_recording()
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                   past_key_values=cache)
+
+    def lengths():
+        return [layer.cumulative_length if isinstance(layer, OdaSlidingWindowLayer) else layer.seq_length
+                for layer in cache.layers]
+    before = lengths()
+    assert isinstance(cache.layers[0], OdaSlidingWindowLayer) and len(set(before)) == 1
+    with pytest.raises(ValueError, match="masked columns inside its history"):
+        cache.crop(-2)
+    assert lengths() == before

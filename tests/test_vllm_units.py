@@ -489,6 +489,28 @@ def test_amx_layout_indices_cover_each_head_once():
             assert sorted(values[b, h].flatten().tolist()) == list(range(start + block * dim, start + per_head))
 
 
+def test_amx_local_gather_in_chunks_builds_each_chunks_indices(monkeypatch):
+    """The packed (AMX) layout's flat indices are 8 bytes per element read: past LOCAL_CHUNK_BYTES they are built per
+    chunk as it is read (all rows' at once were larger than the chunked keys and values), with the same result."""
+    from oda_hf.vllm import attention
+    from oda_hf.vllm.attention import LocalGather, paged_layout
+
+    blocks, heads, block, dim = 6, 2, 32, 16
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(blocks, heads, block, 2 * dim, generator=g)
+    layout = paged_layout("CPU_ATTN", cache, isa="amx")
+    seq_lens = torch.tensor([3, 40, 70, 100, 150])
+    table = torch.stack([torch.randperm(blocks, generator=g)[:5] for _ in seq_lens])
+    query = torch.randn(len(seq_lens), 2 * heads, dim, generator=g)
+    whole = LocalGather.build(layout, table, seq_lens, 2, 24)
+    assert whole.key_index is not None
+    expected = whole.attend(query, cache, 0.25)
+    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    chunked = LocalGather.build(layout, table, seq_lens, 2, 24)
+    assert chunked.key_index is None
+    torch.testing.assert_close(chunked.attend(query, cache, 0.25), expected, atol=1e-6, rtol=1e-6)
+
+
 def _attention_layer(name, sliding_window=None, soft_cap=0.0):
     from types import SimpleNamespace
 

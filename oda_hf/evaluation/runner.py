@@ -885,6 +885,7 @@ def current_records(records: Iterable[dict], versions: dict[tuple[str, str], lis
                    if v.get("p") == rate and (draws_per_example(v) or not draws_per_example(record))]
         if earlier:
             kept.append(earlier[-1])
+    check_same_scoring(kept)   # (an earlier version brought back was not rescored with the newest records)
     return kept
 
 

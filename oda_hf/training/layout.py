@@ -12,7 +12,8 @@ Conventions (columns are 0-based, positions in the paper's sense are 1-based):
   (the same count `OdaCache` uses for sinks and window), so ``S_L(t)`` is
   ``index <= s  or  index >= index_t - w + 1``;
 * column ``t`` is *eligible* when tokens ``t`` and ``t + 1`` are valid, in the same segment, with
-  consecutive position ids, ``labels[t + 1] != -100`` (when labels are given), and ``index_t > s + w``.
+  consecutive position ids, ``labels[t + 1] != -100`` and ``labels[t] != -100`` (when labels are given: a masked
+  prompt's last token is never a routed step), and ``index_t > s + w``.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ FORWARD_CONFIG_KEYS = (
     "head_dim", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar",
     "attn_logit_softcapping", "final_logit_softcapping", "full_attention_interval", "linear_conv_kernel_dim",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "max_position_embeddings", "original_max_position_embeddings",   # (dynamic RoPE's original length)
 )
 
 
@@ -163,8 +164,9 @@ def _check_identity(path: str, existing: dict, wanted: dict) -> None:
                  for key in IDENTITY_KEYS if existing.get(key) != wanted[key]]
     if differing:
         raise ValueError(f"{path} holds supervision cached with other settings ({'; '.join(differing)}). "
-                         "Resume with the same base, data, sinks, window, tau_hist, seq_len, rows per shard and "
-                         "dtype, or write to a new output folder.")
+                         "Resume with the same base (weights and config), data, sinks, window, tau_hist, seq_len, "
+                         "rows per shard and dtype, or write to a new output folder (a cache an older oda_hf wrote, "
+                         "without an eligibility rule, cannot be resumed: cache into a new folder).")
 
 
 def cache_supervision(model: OdaForCausalLM, rows: Sequence[dict], output_dir: str | os.PathLike, *,
@@ -366,8 +368,8 @@ class SupervisionCache(_CacheSettings):
                              "configuration (RoPE scaling, sliding window, attention or norm settings): its hidden "
                              "states and gains are not what this model computes. Cache again with this model.")
         if self.manifest.get("eligibility") != ELIGIBILITY:
-            logger.warning(f"The supervision cache {self.path} was made by an older oda_hf, which also trained the last "
-                           "token of a masked prompt (never a routed step at inference) and gave the next position "
+            logger.warning(f"The supervision cache {self.path} was made by an older oda_hf, which also trained the "
+                           "last token of a masked prompt (never a routed step at inference) and gave the next position "
                            "its Local H: cache the data again for rows of the current rule (docs/method.md).")
 
 

@@ -187,7 +187,8 @@ class LocalGather:
     blocks: torch.Tensor        # [T, S]: the cache block of each read position
     offsets: torch.Tensor       # [T, S]: its offset within the block
     mask: torch.Tensor          # [T, 1, 1, S]: True where the position is read
-    # A packed layout (the AMX kernels') has no strided view: flat indices [T, Hkv, S, D] of its keys and values.
+    # A packed layout (the AMX kernels') has no strided view: flat indices [T, Hkv, S, D] of its keys and values
+    # (kept for every layer when they fit in LOCAL_CHUNK_BYTES, else built per chunk as it is read).
     # A strided one is read through its views with the [T, S] positions alone: flat indices of every element would
     # hold 8 bytes per element read (gigabytes at a few hundred rows, and on a GPU outside what vLLM's profile run
     # measures).
@@ -202,18 +203,23 @@ class LocalGather:
         blocks = block_table.to(torch.long).gather(1, positions // block_size)
         offsets = positions % block_size
         gather = cls(layout, blocks, offsets, valid[:, None, None, :])
-        if layout.packed is not None:
+        # (built once for every layer while small; past LOCAL_CHUNK_BYTES each chunk's are built as it is read)
+        index_bytes = 2 * 8 * blocks.numel() * layout.shape[1] * layout.shape[3]
+        if layout.packed is not None and index_bytes <= LOCAL_CHUNK_BYTES:
             gather.key_index = layout.gather_index(blocks, offsets, values=False)
             gather.value_index = layout.gather_index(blocks, offsets, values=True)
         return gather
 
     def read(self, kv_cache: torch.Tensor, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of the Local positions of `rows`, ``[rows, Hkv, S, D]`` each, in the cache's dtype."""
-        if self.key_index is not None:
-            flat = cache_span(kv_cache)
-            return flat.take(self.key_index[rows]), flat.take(self.value_index[rows])
-        keys, values = self.layout.views(kv_cache)   # [num_blocks, Hkv, block_size, D]
         blocks, offsets = self.blocks[rows], self.offsets[rows]
+        if self.layout.packed is not None:
+            flat = cache_span(kv_cache)
+            if self.key_index is not None:
+                return flat.take(self.key_index[rows]), flat.take(self.value_index[rows])
+            return (flat.take(self.layout.gather_index(blocks, offsets, values=False)),
+                    flat.take(self.layout.gather_index(blocks, offsets, values=True)))
+        keys, values = self.layout.views(kv_cache)   # [num_blocks, Hkv, block_size, D]
         # (indices split by a slice: their [T, S] comes first, then Hkv and D)
         return keys[blocks, :, offsets].transpose(1, 2), values[blocks, :, offsets].transpose(1, 2)
 
@@ -227,7 +233,8 @@ class LocalGather:
         """
         tokens, num_heads, head_dim = query.shape
         num_kv_heads, span = self.layout.shape[1], self.mask.shape[-1]
-        row_bytes = 2 * num_kv_heads * span * head_dim * (4 + kv_cache.element_size())
+        row_bytes = 2 * num_kv_heads * span * head_dim * (4 + kv_cache.element_size()
+                                                          + (8 if self.layout.packed is not None else 0))
         step = max(1, (LOCAL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // row_bytes)
         out = torch.empty_like(query)
         for start in range(0, tokens, step):
