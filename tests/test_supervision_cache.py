@@ -347,6 +347,11 @@ def test_the_same_weights_under_another_config_do_not_reuse_the_cache(tmp_path):
     with pytest.raises(ValueError, match="base_config_sha256"):
         sc.cache_supervision(other, rows, tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
     cache.check_compatible(model, sinks=S, window=W, tau_hist=0.05)   # its own base still fits
+    halved = copy.deepcopy(model)   # the same weights in another dtype: the message names the dtype to load
+    halved.base_model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="running in float32, and this run loads it in bfloat16.*Load the base in "
+                                         "float32 .--dtype."):
+        cache.check_compatible(halved, sinks=S, window=W, tau_hist=0.05)
     longer = copy.deepcopy(model)   # dynamic RoPE reads max_position_embeddings as its original length
     longer.base_model.config.max_position_embeddings *= 2
     assert sc.base_config_fingerprint(longer) != sc.base_config_fingerprint(model)

@@ -360,6 +360,14 @@ class SupervisionCache(_CacheSettings):
                              "sinks, window and tau_hist are fixed when caching. Train with the cache's values or "
                              "cache again with the new ones.")
         if base_fingerprint(model) != self.manifest["base_fingerprint"]:
+            base = model.base_model if isinstance(model, OdaForCausalLM) else model
+            weights = weights_fingerprint(base)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):   # the same weights run in another dtype?
+                if hashlib.sha256(f"{weights}|{dtype}".encode()).hexdigest() == self.manifest["base_fingerprint"]:
+                    raise ValueError(f"The supervision cache {self.path} was made with this base model running in "
+                                     f"{str(dtype).removeprefix('torch.')}, and this run loads it in "
+                                     f"{str(base.dtype).removeprefix('torch.')}: its hidden states are that dtype's. "
+                                     f"Load the base in {str(dtype).removeprefix('torch.')} (--dtype), or cache again.")
             raise ValueError(f"The supervision cache {self.path} was made with another base model "
                              f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
         recorded = self.manifest.get("base_config_sha256")   # (older caches did not record it)
