@@ -384,7 +384,6 @@ class OdaSlidingWindowLayer(DynamicSlidingWindowLayer):
         self.keys, self.values = self.keys[:, :, begin:end], self.values[:, :, begin:end]
         self.cumulative_length = min(max_length, length)
 
-
     def check_crop(self, max_length: int) -> None:
         """Raise if `crop_to(max_length)` cannot be done (nothing changes here)."""
         if not self.is_initialized:

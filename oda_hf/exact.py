@@ -278,17 +278,17 @@ def _check_static_rope(model, reach: int) -> None:
     request can pass the length where they change: a verification pass runs several positions in one forward, so its
     tokens would get the frequencies of its last position where stock decoding, one position per forward, gives each
     its own (greedy output then differs from Full's with no near tie to show it)."""
-    from .engine.support import HOST_DEPENDENT_ROPE, rope_types
+    from .engine.support import HOST_DEPENDENT_ROPE, rope_parameter_sets
 
     config = model.config
     config = getattr(config, "get_text_config", lambda: config)()
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    for kind in rope_types(config):
+    for params in rope_parameter_sets(config):
+        kind = str(params.get("rope_type", params.get("type", "default")))
         if not any(name in kind for name in HOST_DEPENDENT_ROPE):
             continue
-        nested = [value for value in params.values() if isinstance(value, dict)] if isinstance(params, dict) else []
-        originals = [p.get("original_max_position_embeddings") for p in (nested or [params]) if isinstance(p, dict)]
-        limit = min([o for o in originals if isinstance(o, int)] + [config.max_position_embeddings])
+        original = params.get("original_max_position_embeddings")
+        limit = min(original, config.max_position_embeddings) if isinstance(original, int) \
+            else config.max_position_embeddings
         if reach > limit:
             raise ExactDecodingUnsupported(
                 f"oda_mode='exact' on this model's {kind!r} RoPE: its frequencies change past {limit} positions, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import os
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -41,9 +42,9 @@ _UNSUPPORTED_GENERATE_KWARGS = ("assistant_model", "prompt_lookup_num_tokens", "
 _CONTINUOUS_BATCHING = ("transformers' continuous batching runs its own paged cache and attention, where ODA cannot "
                         "route: serve ODA with continuous batching through vLLM (oda_hf.vllm, `oda serve`), or call "
                         "generate() on a padded batch.")
-#: One lock per model (id(model) -> [lock, thread running a call]): the running request's routing state lives on the
+#: One lock per model (model -> [lock, thread running a call]): the running request's routing state lives on the
 #: model, so generate() calls on one model run one after another.
-_GENERATING: dict[int, list] = {}
+_GENERATING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GENERATING_LOCK = threading.Lock()
 
 
@@ -54,7 +55,7 @@ def _one_call_at_a_time(model):
     same model) is refused, since it would replace the running request's policy state and record."""
     thread = threading.get_ident()
     with _GENERATING_LOCK:
-        entry = _GENERATING.setdefault(id(model), [threading.Lock(), None])
+        entry = _GENERATING.setdefault(model, [threading.Lock(), None])
     if entry[1] == thread:
         raise RuntimeError("generate() was called on this OdaForCausalLM from inside a generate() call on it (e.g. "
                            "from a stopping criterion or streamer): the inner request would replace the running one's "
@@ -279,8 +280,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
             raise ValueError(
                 f"guidance_scale={generation_config.guidance_scale} (classifier-free guidance) is not supported by "
-                "ODA: its unconditional pass runs a second request through the model inside each step, which would share "
-                "the call's routing state and record. Leave guidance_scale unset (or 1).")
+                "ODA: its unconditional pass runs a second request through the model inside each step, which would "
+                "share the call's routing state and record. Leave guidance_scale unset (or 1).")
         if generation_config.use_cache is False:
             raise ValueError("ODA decodes from its KV cache: generate() with use_cache=False is not supported.")
         if generation_config.cache_implementation not in (None, "dynamic"):

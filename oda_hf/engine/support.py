@@ -70,10 +70,14 @@ def sliding_windows(config) -> list[int | None]:
     return windows
 
 
-def rope_types(config) -> list[str]:
-    """The RoPE types a model uses (one per layer kind when its parameters are keyed by layer type, as Gemma 3's)."""
+def rope_parameter_sets(config) -> list[dict]:
+    """A model's RoPE parameters: one dict per layer kind when they are keyed by layer type (Gemma 3), else one."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(params, dict):
-        return ["default"]
-    nested = [value for value in params.values() if isinstance(value, dict)]
-    return [str(p.get("rope_type", p.get("type", "default"))) for p in (nested or [params])]
+        return [{}]
+    return [value for value in params.values() if isinstance(value, dict)] or [params]
+
+
+def rope_types(config) -> list[str]:
+    """The RoPE types a model uses (one per layer kind when its parameters are keyed by layer type, as Gemma 3's)."""
+    return [str(p.get("rope_type", p.get("type", "default"))) for p in rope_parameter_sets(config)]

@@ -527,6 +527,7 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
     `adopt_unlabeled`: records without settings (older oda_hf) are trusted to have this run's settings.
     """
     adopted = rescored = 0
+    named = {spec.name for spec in policies}
     by_example: dict[str, list[dict]] = {}
     for (example_id, _), record in results.records.items():
         by_example.setdefault(example_id, []).append(record)
@@ -560,7 +561,6 @@ def check_records(results: ResultsFile, settings: dict, examples: Sequence[EvalE
             rescored += _rescore(results, record, example)
         # The example's records of policies this run does not name are rescored too: left as they were, a report
         # would put one output scored against the old answers beside the same output scored against the new ones.
-        named = {spec.name for spec in policies}
         for record in held:
             if record["policy"] not in named:
                 rescored += _rescore(results, record, example)
@@ -863,7 +863,6 @@ def current_records(records: Iterable[dict], versions: dict[tuple[str, str], lis
     pair's newest earlier record at the current rate, if there is one (a rerun over fewer prompts into the same
     folder redraws the control at their rate, and that must not hide the records drawn for all of them)."""
     records = list(records)
-    check_same_scoring(records)
     # A Random policy's records drawn one way (the example's own draws) supersede those of other examples drawn the
     # older way (one generator seed for every prompt): reported together, one row would average two protocols.
     per_example = {r["policy"] for r in records if r.get("kind") == "random" and draws_per_example(r)}
@@ -885,7 +884,7 @@ def current_records(records: Iterable[dict], versions: dict[tuple[str, str], lis
                    if v.get("p") == rate and (draws_per_example(v) or not draws_per_example(record))]
         if earlier:
             kept.append(earlier[-1])
-    check_same_scoring(kept)   # (an earlier version brought back was not rescored with the newest records)
+    check_same_scoring(kept)   # (an earlier version brought back is checked too: a rerun rescored the newest only)
     return kept
 
 

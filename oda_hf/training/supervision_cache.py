@@ -83,14 +83,14 @@ def rows_sha256(rows: Sequence[dict]) -> str:
     return digest.hexdigest()
 
 
-def base_fingerprint(model) -> str:
+def base_fingerprint(model, dtype: torch.dtype | None = None) -> str:
     """The base's weights fingerprint (`oda_hf.head.base_fingerprint`) combined with the dtype it runs in.
 
     The head trains on this model's hidden states, so another base, or the same one in another dtype,
     must not reuse them; where the model was loaded from does not matter.
     """
     base = model.base_model if isinstance(model, OdaForCausalLM) else model
-    return hashlib.sha256(f"{weights_fingerprint(base)}|{base.dtype}".encode()).hexdigest()
+    return hashlib.sha256(f"{weights_fingerprint(base)}|{dtype or base.dtype}".encode()).hexdigest()
 
 
 #: Config fields that change what the base computes from the same weights (RoPE, windows, attention shape, norms,
@@ -360,14 +360,12 @@ class SupervisionCache(_CacheSettings):
                              "sinks, window and tau_hist are fixed when caching. Train with the cache's values or "
                              "cache again with the new ones.")
         if base_fingerprint(model) != self.manifest["base_fingerprint"]:
-            base = model.base_model if isinstance(model, OdaForCausalLM) else model
-            weights = weights_fingerprint(base)
             for dtype in (torch.float32, torch.bfloat16, torch.float16):   # the same weights run in another dtype?
-                if hashlib.sha256(f"{weights}|{dtype}".encode()).hexdigest() == self.manifest["base_fingerprint"]:
+                if base_fingerprint(model, dtype) == self.manifest["base_fingerprint"]:
+                    made, now = (str(d).removeprefix("torch.") for d in (dtype, model.dtype))
                     raise ValueError(f"The supervision cache {self.path} was made with this base model running in "
-                                     f"{str(dtype).removeprefix('torch.')}, and this run loads it in "
-                                     f"{str(base.dtype).removeprefix('torch.')}: its hidden states are that dtype's. "
-                                     f"Load the base in {str(dtype).removeprefix('torch.')} (--dtype), or cache again.")
+                                     f"{made}, and this run loads it in {now}: its hidden states are that dtype's. "
+                                     f"Load the base in {made} (--dtype), or cache again.")
             raise ValueError(f"The supervision cache {self.path} was made with another base model "
                              f"({self.manifest.get('base')!r}): its hidden states do not belong to this one.")
         recorded = self.manifest.get("base_config_sha256")   # (older caches did not record it)
@@ -377,8 +375,8 @@ class SupervisionCache(_CacheSettings):
                              "states and gains are not what this model computes. Cache again with this model.")
         if self.manifest.get("eligibility") != ELIGIBILITY:
             logger.warning(f"The supervision cache {self.path} was made by an older oda_hf, which also trained the "
-                           "last token of a masked prompt (never a routed step at inference) and gave the next position "
-                           "its Local H: cache the data again for rows of the current rule (docs/method.md).")
+                           "last token of a masked prompt (never a routed step at inference) and gave the next "
+                           "position its Local H: cache the data again for rows of the current rule (docs/method.md).")
 
 
 #: Manifest keys that caches trained on together must share (their rows may differ, and their seq_len and dtype).
