@@ -61,6 +61,9 @@ def test_request_knobs(extra, expected):
     ({"ODA_POLICY": "local"}, "Unknown ODA request key"),
     ({"oda_policy ": "local"}, "Unknown ODA request key"),
     ({"oda-threshold": 0.5, "oda_policy": "full"}, "Unknown ODA request key"),
+    ({"odaPolicy": "local"}, "Unknown ODA request key.*'odaPolicy'"),   # was served with the engine's default
+    ({"oda.threshold": 0.5}, "Unknown ODA request key"),
+    ({"OdaThreshold": 0.5}, "Unknown ODA request key"),
 ])
 def test_bad_request_knobs_name_the_value(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -15,6 +15,7 @@ engine keeps serving the others. The worker parses the same values with the same
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -84,8 +85,12 @@ def parse_policy(text, threshold: float) -> RequestRouting:
 
 
 def is_oda_key(key) -> bool:
-    """Whether a request's extra-args key is meant for ODA: ``oda_...`` in any case, with stray spaces or dashes."""
-    return isinstance(key, str) and key.strip().lower().replace("-", "_").startswith("oda_")
+    """Whether a request's extra-args key is meant for ODA: ``oda_...`` in any case, with stray spaces or dashes, or a
+    knob's name in another spelling (``odaPolicy``, ``oda.threshold``: JSON clients camel-case)."""
+    if not isinstance(key, str):
+        return False
+    squashed = re.sub(r"[\W_]", "", key.lower())
+    return key.strip().lower().replace("-", "_").startswith("oda_") or squashed.startswith(("odapolicy", "odathreshold"))
 
 
 def request_routing(extra_args: dict | None, default: RequestRouting,
