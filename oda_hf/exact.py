@@ -247,7 +247,7 @@ def generate_exact(model, inputs=None, generation_config=None, *, max_draft: int
         # generate() continues after the pad columns: another output than the Full one promised.
         raise ValueError("Exact mode supports left padding only: the last column must be a real token in every row "
                          "(pad on the left, e.g. tokenizer.padding_side='left').")
-    _check_no_interior_holes_under_sliding_windows(model, request.attention_mask)
+    _check_no_interior_holes(model, request.attention_mask)
     # (the last output token is never fed: the longest forward reads prompt + max_new_tokens - 1 positions)
     _check_static_rope(model, int(request.attention_mask.sum(dim=1).max()) + request.max_new_tokens - 1)
     eos = set() if request.eos is None else {int(t) for t in request.eos.flatten().tolist()}
@@ -417,24 +417,29 @@ class EngineDrafts:
         return 0
 
 
-def _check_no_interior_holes_under_sliding_windows(model, attention_mask) -> None:
-    """Rows are decoded without their masked columns. A sliding-window layer's window counts columns, masked ones
-    included, in stock generate(): without them it would reach further back, and the output would not be Full's
-    (measured on Gemma 3 with two masked columns inside a prompt: every token differed, exit 0)."""
+def _check_no_interior_holes(model, attention_mask) -> None:
+    """Rows are decoded without their masked columns. Stock generate() keeps them in the sequence wherever a layer
+    counts positions: a sliding-window layer's window counts masked columns too, and a Gated DeltaNet layer runs its
+    causal convolution and its state's decay over them (zeroed, not skipped). Without them the output would not be
+    Full's (measured: Gemma 3 with two masked columns inside a prompt, every token differed; Qwen3.5 with three, 2 of
+    40 batches differed; both exit 0). Left padding is exact: nothing real precedes it."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     # the layer kinds as OdaCache builds its layers from them (a Mistral-style sliding_window included)
     layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    if not {"sliding_attention", "chunked_attention"} & set(layer_types):
+    counting = {"sliding_attention", "chunked_attention", "linear_attention"} & set(layer_types)
+    if not counting:
         return
     real = attention_mask.bool()
     first = real.int().argmax(dim=1)
     after_first = torch.arange(real.shape[1], device=real.device)[None, :] >= first[:, None]
     holed = (after_first & ~real).any(dim=1).nonzero().flatten().tolist()
     if holed:
-        raise ValueError(f"Exact mode on a model with sliding-window layers supports left padding only: rows {holed} "
-                         "have masked columns inside their prompt, which a sliding window counts and exact mode's "
-                         "unpadded decoding would not. Remove those columns from the prompt, or use approximate mode.")
+        kinds = " and ".join(sorted(counting))
+        raise ValueError(f"Exact mode on a model with {kinds} layers supports left padding only: rows {holed} have "
+                         "masked columns inside their prompt, which those layers count in stock generate() and exact "
+                         "mode's unpadded decoding would not. Remove those columns from the prompt, or use "
+                         "approximate mode.")
 
 
 def _decode_row(model, prompt: torch.Tensor, request, settings: _Settings, eos: set, record: ExactRecord,

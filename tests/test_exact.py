@@ -379,11 +379,30 @@ def test_exact_refuses_masked_prompt_columns_under_sliding_windows():
     ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(8))
     kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
     holed = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match=r"sliding-window layers supports left padding only: rows \[0\]"):
+    with pytest.raises(ValueError, match=r"sliding_attention layers supports left padding only: rows \[0\]"):
         model.generate(ids, attention_mask=holed, oda_mode="exact", **kwargs)
     padded = torch.tensor([[0, 0, 0] + [1] * 9])
     ids = ids.masked_fill(padded == 0, 0)
     assert torch.equal(model.generate(ids, attention_mask=padded, oda_mode="exact", **kwargs),
+                       model.base_model.generate(ids, attention_mask=padded, **kwargs))
+
+
+def test_exact_refuses_masked_prompt_columns_under_deltanet_layers():
+    """Found by an audit: stock's Gated DeltaNet layers run their convolution and state decay over masked columns
+    inside a prompt (zeroed, kept in the sequence), which the unpadded rows skip: a tiny Qwen3.5 gave other tokens than
+    Full's, exit 0. Left padding stays exact (zeroed columns before a zero state change nothing)."""
+    model = exact_model("qwen3_5")
+    ids = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    holed = torch.ones_like(ids)
+    holed[0, 6:9] = 0
+    holed[1, :2] = 0
+    with pytest.raises(ValueError, match=r"linear_attention layers supports left padding only: rows \[0\]"):
+        model.generate(ids, attention_mask=holed, oda_mode="exact", max_draft=3, **kwargs)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    ids = ids.masked_fill(padded == 0, 0)
+    assert torch.equal(model.generate(ids, attention_mask=padded, oda_mode="exact", max_draft=3, **kwargs),
                        model.base_model.generate(ids, attention_mask=padded, **kwargs))
 
 
