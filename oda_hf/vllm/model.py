@@ -42,9 +42,10 @@ class OdaCausalLMMixin:
         from vllm.config import CUDAGraphMode
         from vllm.model_executor.layers.attention import Attention
 
-        # torch.compile (vLLM's default) is fine: the compiled decoder splits at every attention op, and the routing
-        # (which rows attend Local, the head, the Full retry) runs in Python around and inside those ops. CUDA graphs
-        # are not: a graph replays the step's shapes, and the Full retry is a pass over a sub-batch of another size.
+        # torch.compile (vLLM's default; on during the CPU build's tests) is fine: the compiled decoder splits at every
+        # attention op, and the routing (which rows attend Local, the head, the Full retry) runs in Python around and
+        # inside those ops. CUDA graphs are not: a graph replays the step's shapes, and the Full retry is a pass over a
+        # sub-batch of another size. (enforce_eager, engine_args' GPU setting, turns compile off too in vLLM.)
         graphs = vllm_config.compilation_config.cudagraph_mode
         if graphs is not None and graphs != CUDAGraphMode.NONE:
             raise ValueError(f"ODA's routed step cannot run inside CUDA graphs (cudagraph_mode={graphs.name}): start "
