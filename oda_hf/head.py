@@ -8,6 +8,7 @@ per row; the learned policy calls Full when ``q > theta``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -178,6 +179,29 @@ def base_fingerprint(model: nn.Module) -> str | None:
             digest.update(f"{name}:{tuple(param.shape)};".encode())
             digest.update(sample.view(torch.int16).numpy().tobytes())
     return "sha256:" + digest.hexdigest()
+
+
+#: Config fields that change what the base computes from the same weights (RoPE, windows, attention shape, norms,
+#: soft-capping, linear-attention shape): hidden states, gains and outputs hold for these values only.
+FORWARD_CONFIG_KEYS = (
+    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "sliding_window", "layer_types",
+    "use_sliding_window", "max_window_layers", "attention_chunk_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar",
+    "attn_logit_softcapping", "final_logit_softcapping", "full_attention_interval", "linear_conv_kernel_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "max_position_embeddings", "original_max_position_embeddings",   # (dynamic RoPE's original length)
+)
+
+
+def base_config_fingerprint(model) -> str:
+    """SHA-256 of the base's `FORWARD_CONFIG_KEYS` (its weights are `base_fingerprint`'s): the same weights under
+    another RoPE scaling or sliding window compute other hidden states."""
+    from .modeling import OdaForCausalLM
+
+    base = model.base_model if isinstance(model, OdaForCausalLM) else model
+    config = base.config.get_text_config(decoder=True).to_dict()
+    fields = {key: config[key] for key in FORWARD_CONFIG_KEYS if key in config}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class RecallHeadRMSNorm(nn.Module):

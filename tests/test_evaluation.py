@@ -18,7 +18,7 @@ from oda_hf import OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHe
 from oda_hf.evaluation import diagnostics, metrics, report, runner, stats, suites, trajectory
 from oda_hf.evaluation.cli import add_cli
 from oda_hf.cli_common import UsageError
-from oda_hf.head import base_fingerprint
+from oda_hf.head import base_config_fingerprint, base_fingerprint
 from reference import replay_logits
 from tiny_models import VOCAB, tiny_model
 
@@ -861,11 +861,13 @@ def _first_run(tmp_path):
 
 
 def test_records_and_manifest_carry_the_settings(tmp_path):
-    model, _, examples, _, path, records = _first_run(tmp_path)
+    model, tokenizer, examples, _, path, records = _first_run(tmp_path)
     manifest = json.loads((tmp_path / "results.manifest.json").read_text())
     head = runner.head_fingerprint(model.recall_head)
-    assert manifest["settings"] == {"model": base_fingerprint(model.base_model), "dtype": "float32", "head_sha256": head, "sinks": 2, "window": 4,
-                                    "chat_template": False}
+    assert manifest["settings"] == {"model": base_fingerprint(model.base_model),
+                                    "base_config_sha256": base_config_fingerprint(model), "dtype": "float32",
+                                    "head_sha256": head, "sinks": 2, "window": 4, "chat_template": False,
+                                    "generation_sha256": runner.generation_fingerprint(model, tokenizer)}
     assert set(manifest["versions"]) == {"oda_hf", "transformers", "torch"}
     for record in records:
         settings = record["settings"]

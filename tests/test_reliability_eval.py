@@ -457,3 +457,41 @@ def test_ruler_killed_at_any_point_then_rerun_gives_the_same_bytes(root, tmp_pat
     subprocess.run(_ruler_command(root, out), check=True, env=env, capture_output=True)
     assert _contents(out) == reference
     assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]  # stale staging folders removed
+
+
+def test_a_rerun_after_the_base_config_or_generation_config_changed_is_refused(root, capsys, tmp_path):
+    """Found by an audit: records were identified by the base's weights alone, so after an edit of its config.json
+    (RoPE) or generation_config.json (a repetition penalty) a rerun reused every record (35 of 36 differed from a fresh
+    run), exit 0. A folder written before those were recorded is still reused, with a warning."""
+    base = tmp_path / "base"
+    shutil.copytree(root / "base", base)
+    data = write_jsonl(tmp_path / "data.jsonl", [record(i) for i in range(2)])
+    run = ["eval", "--base", base, "--window", "8", "--no-progress", "--no-plots", "--policies", "full", "local",
+           "--data", data, "--out", tmp_path / "a"]
+    assert oda(run, capsys)[0] == 0
+    for name, key, value, setting in (("config.json", "rope_theta", 1234.0, "base_config_sha256"),
+                                      ("generation_config.json", "repetition_penalty", 1.5, "generation_sha256")):
+        original = (base / name).read_text() if (base / name).exists() else None
+        config = json.loads(original or "{}")
+        if key == "rope_theta" and "rope_parameters" in config:
+            config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": value}
+        else:
+            config[key] = value
+        (base / name).write_text(json.dumps(config))
+        code, err = oda(run, capsys)
+        assert code == 2 and "generated with other settings" in err and setting in err, err
+        if original is None:
+            (base / name).unlink()
+        else:
+            (base / name).write_text(original)
+    # A folder of an earlier oda_hf: its manifest and records lack both settings.
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    for key in ("base_config_sha256", "generation_sha256"):
+        del manifest["settings"][key]
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(manifest))
+    records = [json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()]
+    for r in records:
+        r["settings"] = {k: v for k, v in r["settings"].items() if k not in ("base_config_sha256", "generation_sha256")}
+    (tmp_path / "a" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert oda(run, capsys)[0] == 0
+    assert len((tmp_path / "a" / "results.jsonl").read_text().splitlines()) == len(records)   # reused, none redone

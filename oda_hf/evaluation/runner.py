@@ -311,16 +311,32 @@ def prompt_fingerprint(input_ids: Sequence[int]) -> str:
 
 def run_settings(model, chat_template: bool = False) -> dict:
     """The settings that change every record of a run (policy, output cap and prompt are per record)."""
-    from ..head import base_fingerprint
+    from ..head import base_config_fingerprint, base_fingerprint
 
     return {
         # The weights identify the model, not the path it was loaded from (a moved folder is the same model).
         "model": base_fingerprint(getattr(model, "base_model", model)),
+        "base_config_sha256": base_config_fingerprint(model),   # the same weights under another RoPE or window
         "dtype": str(model.dtype).removeprefix("torch."),
         "head_sha256": head_fingerprint(getattr(model, "recall_head", None)),
         "sinks": model.oda_config.sinks, "window": model.oda_config.window,
         "chat_template": bool(chat_template),
     }
+
+
+def generation_fingerprint(model, tokenizer) -> str:
+    """SHA-256 of what greedy decoding reads from the model's generation config (`greedy_config`: EOS, pad, logits
+    processors such as a repetition penalty), the output cap aside: another generation_config.json gives other
+    outputs from the same weights."""
+    fields = greedy_config(model, tokenizer, 1).to_diff_dict()
+    for key in ("transformers_version", "max_new_tokens", "max_length"):
+        fields.pop(key, None)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: Settings recorded since a later oda_hf: a manifest or record written before lacks them, and they are not compared
+#: with it (`check_manifest` warns that a change of them would go unseen).
+LATER_KEYS = ("base_config_sha256", "generation_sha256")
 
 
 def record_settings(settings: dict, spec: PolicySpec, example: EvalExample, input_ids: Sequence[int],
@@ -336,7 +352,8 @@ def record_settings(settings: dict, spec: PolicySpec, example: EvalExample, inpu
 
 def _differences(old: dict, new: dict, keys: Iterable[str] | None = None) -> list[str]:
     keys = sorted(set(old) | set(new)) if keys is None else keys
-    return [f"{key}: {old.get(key)!r} there, {new.get(key)!r} now" for key in keys if old.get(key) != new.get(key)]
+    return [f"{key}: {old.get(key)!r} there, {new.get(key)!r} now" for key in keys if old.get(key) != new.get(key)
+            and not (key in LATER_KEYS and (key not in old or key not in new))]
 
 
 def read_manifest_settings(path: str | os.PathLike) -> dict:
@@ -384,11 +401,17 @@ def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
     path = os.fspath(path)
     if not os.path.exists(path):
         return
-    differences = _differences(read_manifest_settings(path), settings)
+    saved = read_manifest_settings(path)
+    differences = _differences(saved, settings)
     if differences:
         raise ValueError(
             f"{results_path} was generated with other settings ({path}): " + "; ".join(differences)
             + ". Records of different settings must not mix: write to a new output folder (--out).")
+    unrecorded = [key for key in LATER_KEYS if key in settings and key not in saved]
+    if unrecorded:
+        logger.warning(f"{path} was written before oda_hf recorded {', '.join(unrecorded)}: its records are reused "
+                       "without checking those (a change of the base's config.json or generation_config.json since "
+                       "they were made would go unseen).")
 
 
 def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
@@ -937,7 +960,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     for spec in policies:
         if spec.kind == "random" and spec.matched and oda(spec.threshold).name not in names:
             raise ValueError(f"{spec.name} matches ODA at threshold {spec.threshold}: add that ODA policy too.")
-    settings = run_settings(model, chat_template)
+    settings = {**run_settings(model, chat_template), "generation_sha256": generation_fingerprint(model, tokenizer)}
     if manifest_path is None:
         manifest_path = os.path.splitext(os.fspath(output_path))[0] + ".manifest.json"
     check_manifest(manifest_path, settings, output_path)

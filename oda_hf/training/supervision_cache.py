@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from ..files import atomic_path, output_lock, remove_stale_partials, write_json
+from ..head import base_config_fingerprint
 from ..head import base_fingerprint as weights_fingerprint
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -91,27 +92,6 @@ def base_fingerprint(model, dtype: torch.dtype | None = None) -> str:
     """
     base = model.base_model if isinstance(model, OdaForCausalLM) else model
     return hashlib.sha256(f"{weights_fingerprint(base)}|{dtype or base.dtype}".encode()).hexdigest()
-
-
-#: Config fields that change what the base computes from the same weights (RoPE, windows, attention shape, norms,
-#: soft-capping, linear-attention shape): a cache's hidden states and gains hold for these values only.
-FORWARD_CONFIG_KEYS = (
-    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "sliding_window", "layer_types",
-    "use_sliding_window", "max_window_layers", "attention_chunk_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar",
-    "attn_logit_softcapping", "final_logit_softcapping", "full_attention_interval", "linear_conv_kernel_dim",
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "max_position_embeddings", "original_max_position_embeddings",   # (dynamic RoPE's original length)
-)
-
-
-def base_config_fingerprint(model) -> str:
-    """SHA-256 of the base's `FORWARD_CONFIG_KEYS` (its weights are `base_fingerprint`'s): the same weights under
-    another RoPE scaling or sliding window compute other hidden states."""
-    base = model.base_model if isinstance(model, OdaForCausalLM) else model
-    config = base.config.get_text_config(decoder=True).to_dict()
-    fields = {key: config[key] for key in FORWARD_CONFIG_KEYS if key in config}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _shard_name(index: int, count: int) -> str:
