@@ -627,6 +627,34 @@ def test_resuming_on_hidden_states_of_another_dtype_is_refused(setup, tmp_path):
     _assert_one_line_error(code, err, "cache_dtypes: ['float32'] in the checkpoint, ['bfloat16'] now", "train-head")
 
 
+def test_resuming_under_another_base_config_is_refused(setup, tmp_path):
+    """Found by an audit: `--data` runs recorded the base's weights, not its config, so a run resumed after an edit of
+    its RoPE trained on on other hidden states, exit 0 (`--from-cache` refused it already)."""
+    out = _copy_out(setup, tmp_path)
+    config_path = setup / "base" / "config.json"
+    original = config_path.read_text()
+    config = json.loads(original)
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": 1234.0}
+    config_path.write_text(json.dumps(config))
+    try:
+        code, err = _oda(_train(setup, out) + ["--max-steps", "3", "--resume"])
+    finally:
+        config_path.write_text(original)
+    _assert_one_line_error(code, err, "base_config_sha256", "train-head")
+
+
+def test_a_fresh_run_of_another_head_shape_into_a_run_folder_is_refused(setup, tmp_path):
+    """Found by an audit: a fresh run with another --head-width (or --input-variant) into a folder holding a run
+    replaced its checkpoints, and a later --resume could pick the other run's last one, exit 0."""
+    out = _copy_out(setup, tmp_path)
+    argv = _train(setup, out) + ["--max-steps", "2"]
+    argv[argv.index("--head-width") + 1] = "16"
+    code, err = _oda(argv)
+    _assert_one_line_error(code, err, "head_width: 8 in the checkpoint, 16 now", "train-head")
+    code, err = _oda(_train(setup, out) + ["--max-steps", "2", "--input-variant", "HE"])
+    _assert_one_line_error(code, err, "input_variant: 'HEL' in the checkpoint, 'HE' now", "train-head")
+
+
 def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):
     from oda_hf import OdaConfig
 

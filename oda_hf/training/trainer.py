@@ -187,7 +187,8 @@ def last_complete_checkpoint(folder: str, clean: bool = True) -> str | None:
 
 
 #: Supervision settings recorded since a later oda_hf: compared only where a checkpoint records them.
-RECORDED_SINCE = ("base_fingerprint", "base_dtype", "cache_dtypes")
+RECORDED_SINCE = ("base_fingerprint", "base_dtype", "cache_dtypes", "base_config_sha256", "head_width",
+                  "input_variant")
 
 
 def _differences(saved: dict, current: dict) -> list[str]:
@@ -294,12 +295,16 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
+        from ..head import base_config_fingerprint
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
             "base_model": base_name,
-            # the weights and the dtype the hidden states come from (a path, or a name, says neither)
+            # the weights, config and dtype the hidden states come from (a path, or a name, says none of them)
             "base_fingerprint": base_fingerprint(model), "base_dtype": str(model.dtype).removeprefix("torch."),
+            "base_config_sha256": base_config_fingerprint(model),
+            # the head's shape: a fresh run of another shape into a run's folder would replace its checkpoints
+            "head_width": head_config.head_width, "input_variant": head_config.input_variant,
             "sinks": self.oda_sinks, "window": self.oda_window, "oda_lambda": args.oda_lambda,
             "tau_hist": args.oda_tau_hist, "loss_reduction": args.oda_loss_reduction, **(supervision_settings or {}),
         }
