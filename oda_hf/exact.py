@@ -210,10 +210,11 @@ def check_exact_settings(model, max_draft, verify_threshold) -> _Settings:
             f"oda_mode='exact' verifies when the recall head asks, but the routing policy is {policy!r}. Use "
             "policy='head' with a recall head, or verify_threshold=math.inf for fixed-length drafts (max_draft "
             "tokens per verification, no head).")
-    if use_head and getattr(policy, "name", None) == "budget":
+    if getattr(policy, "name", None) == "budget":   # (with fixed-length drafts too: it went unread, exit 0)
         raise ValueError(f"oda_mode='exact' does not apply a Full-call budget ({policy!r}): it verifies whenever the "
-                         "head's score passes verify_threshold, as often as that takes to match Full. Use policy='head' "
-                         "(verify_threshold=... sets how eagerly it verifies), or the default oda_mode for a budget.")
+                         "head's score passes verify_threshold (or every max_draft tokens), as often as that takes to "
+                         "match Full. Use policy='head' (verify_threshold=... sets how eagerly it verifies), or the "
+                         "default oda_mode for a budget.")
     return _Settings(max_draft, verify_threshold, use_head)
 
 

@@ -8,7 +8,9 @@ schedules for the runtime benchmark) comparable with the learned head.
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
+from fractions import Fraction
 
 import torch
 
@@ -182,6 +184,19 @@ class SchedulePolicy(RoutingPolicy):
         return f"SchedulePolicy(k={self.k}, period={self.period})"
 
 
+@functools.lru_cache(maxsize=256)
+def _decimal_ratio(rate: float) -> tuple[int, int]:
+    return Fraction(repr(rate)).as_integer_ratio()
+
+
+def within_budget(calls: int, decided: int, rate: float) -> bool:
+    """Whether one more Full call at a row's `decided`-th decided step (this one counted) keeps ``calls + 1 <= rate *
+    decided``: in integers, for the decimal `rate` is written as (in floats 0.29 * 100 is 28.999999999999996, and a
+    tolerance for that let a rate of 0.2499999999 reach 0.25)."""
+    numerator, denominator = _decimal_ratio(float(rate))
+    return (calls + 1) * denominator <= numerator * decided
+
+
 class BudgetPolicy(RoutingPolicy):
     """The head under a Full-call budget that holds for every request and row: Full when the head asks (``q >
     threshold``, or ``q`` not finite) *and* the row's Full calls stay within ``rate`` of its decided steps so far.
@@ -203,8 +218,9 @@ class BudgetPolicy(RoutingPolicy):
         self.reset()
 
     def with_threshold(self, threshold: float) -> "BudgetPolicy":
-        """This policy with `threshold` where it has none (the routing threshold)."""
-        return self if self.threshold is not None else BudgetPolicy(self.rate, threshold)
+        """A fresh copy of this policy (its own counters: one object given to two models ran one budget for both),
+        with `threshold` where it has none (the routing threshold)."""
+        return BudgetPolicy(self.rate, threshold if self.threshold is None else self.threshold)
 
     def reset(self) -> None:
         self._calls = self._decided = None
@@ -225,8 +241,8 @@ class BudgetPolicy(RoutingPolicy):
         decided = torch.ones(batch_size, dtype=torch.bool) if self._in_window is None else ~self._in_window.cpu()
         self._decided += decided.long()
         asks = HeadPolicy._rule(scores.detach().float().cpu(), self.threshold)
-        # calls + 1 <= rate * n, in integers where possible (rate * n in float64 is exact enough for any n here)
-        allowed = (self._calls + 1).double() <= self.rate * self._decided.double() + 1e-9
+        allowed = torch.tensor([within_budget(calls, n, self.rate) for calls, n in
+                                zip(self._calls.tolist(), self._decided.tolist())], dtype=torch.bool)
         full = asks & allowed & decided
         self._calls += full.long()
         return full.to(device)

@@ -7,6 +7,7 @@ import torch
 
 from oda_hf import BudgetPolicy, OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.cli import parse_policy
+from oda_hf.policies import within_budget
 from tiny_models import tiny_model
 
 
@@ -101,3 +102,27 @@ def test_bad_budget_values(make, fragment):
     with pytest.raises(ValueError) as info:
         make()
     assert fragment in str(info.value)
+
+
+def test_the_budget_is_exact_for_the_decimal_rate_given():
+    """Found by an audit: a 1e-9 tolerance let rate 0.2499999999 call Full once in 4 decided steps (0.25, above the
+    budget); without one, 0.29 * 100 = 28.999999999999996 in floats would deny the 29th call that 0.29 earns."""
+    assert not within_budget(0, 4, 0.2499999999) and within_budget(0, 4, 0.25)
+    assert within_budget(28, 100, 0.29) and not within_budget(29, 100, 0.29)
+    assert within_budget(0, 10, 0.1) and not within_budget(0, 9, 0.1)
+    assert not within_budget(0, 10 ** 6, 0.0) and within_budget(10 ** 6 - 1, 10 ** 6, 1.0)
+    policy = BudgetPolicy(0.2499999999, threshold=-1.0)
+    full = [bool(policy.decide(torch.ones(1), step, 1, "cpu")) for step in range(1, 41)]
+    assert all(sum(full[:n]) <= 0.2499999999 * n for n in range(1, 41)) and sum(full) == 9
+
+
+def test_one_budget_object_given_to_two_models_gives_each_request_its_own_counters():
+    """Found by an audit: `with_threshold` returned the object itself when it had its own threshold, so two models
+    sharing one BudgetPolicy ran one set of counters (one model's rows got 17 Full calls in 39 steps at 0.25)."""
+    shared = BudgetPolicy(0.25, threshold=-1.0)
+    first, second = shared.with_threshold(0.0), shared.with_threshold(0.0)
+    assert first is not shared and first is not second and first.threshold == second.threshold == -1.0
+    for step in range(1, 8):   # 7 decided steps, 1 call: shared counters would allow a call at the next step
+        first.decide(torch.ones(2), step, 2, "cpu")
+    assert [second.decide(torch.ones(2), step, 2, "cpu").tolist() for step in range(1, 5)] == \
+        [[False, False]] * 3 + [[True, True]]   # its own budget: the first call is earned at the 4th step

@@ -422,6 +422,9 @@ def test_exact_refuses_a_budget_it_would_not_apply():
     model.set_routing(policy=BudgetPolicy(0.1))
     with pytest.raises(ValueError, match="does not apply a Full-call budget"):
         exact(model, torch.randint(3, 90, (1, 20)), max_new_tokens=4)
+    # fixed-length drafts (no head) went on and verified every max_draft tokens, the budget unread (found by an audit)
+    with pytest.raises(ValueError, match="does not apply a Full-call budget"):
+        exact(model, torch.randint(3, 90, (1, 20)), max_new_tokens=4, verify_threshold=math.inf, max_draft=1)
 
 
 def test_verification_defaults_to_the_head_policys_own_threshold():

@@ -19,6 +19,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..policies import within_budget
 from ..validation import number, parse_float, parse_policy_text
 
 POLICY_KEY = "oda_policy"
@@ -180,7 +181,7 @@ class RequestState:
         policy is ``budget``): ``calls + 1 <= rate * n`` at its ``n``-th decided step, as `oda_hf.BudgetPolicy`."""
         if self.routing.policy != "budget":
             return True
-        return self.full_calls + 1 <= self.routing.p * (self.decided_steps + 1) + 1e-9
+        return within_budget(self.full_calls, self.decided_steps + 1, self.routing.p)
 
     def predecided(self, step: int) -> bool | None:
         """The decision for routed `step` (1-based) when it does not depend on the head, else None.
