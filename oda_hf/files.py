@@ -59,8 +59,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     try:
         with open(temporary, "wb"):
             pass
-        os.chmod(temporary, 0o666 & ~_umask())  # a published file follows the umask
         yield temporary
+        # A published file follows the umask, set after the writer: safetensors renames its own 0600 temporary
+        # (mkstemp's mode) onto this name, which replaced the mode set before.
+        os.chmod(temporary, 0o666 & ~_umask())
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)

@@ -376,3 +376,20 @@ def test_publish_files_swaps_a_folder_whole(tmp_path):
     assert sorted(os.listdir(target / "1024")) == ["a.jsonl", "manifest.json"]
     assert (target / "1024" / "manifest.json").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["out"]  # neither the staging folder nor the old one is left
+
+
+def test_a_safetensors_file_written_through_atomic_path_follows_the_umask(tmp_path):
+    """Found by an audit: supervision shards came out 0600 beside a 0644 manifest (safetensors renames its own
+    mkstemp temporary onto the name it is given, replacing the mode set before it wrote)."""
+    import safetensors.torch
+    import torch
+
+    from oda_hf.files import atomic_path
+
+    old = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "a.safetensors") as temporary:
+            safetensors.torch.save_file({"x": torch.zeros(2)}, temporary)
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o644
