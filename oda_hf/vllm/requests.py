@@ -19,7 +19,6 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..policies import within_budget
 from ..validation import number, parse_float, parse_policy_text
 
 POLICY_KEY = "oda_policy"
@@ -181,6 +180,8 @@ class RequestState:
         policy is ``budget``): ``calls + 1 <= rate * n`` at its ``n``-th decided step, as `oda_hf.BudgetPolicy`."""
         if self.routing.policy != "budget":
             return True
+        from ..policies import within_budget   # (here: `oda --help` imports this module, and no torch)
+
         return within_budget(self.full_calls, self.decided_steps + 1, self.routing.p)
 
     def predecided(self, step: int) -> bool | None:
