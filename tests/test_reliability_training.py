@@ -655,6 +655,18 @@ def test_a_fresh_run_of_another_head_shape_into_a_run_folder_is_refused(setup, t
     _assert_one_line_error(code, err, "input_variant: 'HEL' in the checkpoint, 'HE' now", "train-head")
 
 
+def test_seq_len_given_with_a_cache_of_other_rows_is_refused(setup, tmp_path):
+    """--seq-len was ignored with --from-cache (the cache holds its rows), so a run asking for other rows looked
+    applied; the cache's own length is accepted."""
+    code, err = _oda(_cache(setup, tmp_path / "cache"))
+    assert code == 0, err
+    argv = _from_cache(setup, tmp_path / "cache", tmp_path / "head") + ["--max-steps", "1"]
+    code, err = _oda(argv + ["--seq-len", "64"])
+    _assert_one_line_error(code, err, "--seq-len 64 differs from the cache's seq_len 32", "train-head")
+    code, err = _oda(argv + ["--seq-len", "32"])
+    assert code == 0, err
+
+
 def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):
     from oda_hf import OdaConfig
 

@@ -73,8 +73,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                         help="rows per microbatch and device (default 1)")
     parser.add_argument("--grad-accum", type=argument(integer, "grad-accum", minimum=1), default=1,
                         help="microbatches per update (default 1)")
-    parser.add_argument("--seq-len", type=argument(integer, "seq-len", minimum=2, maximum=MAX_SPAN), default=8192,
-                        help="tokens per packed row (default 8192; unused with --from-cache: the cache holds rows)")
+    parser.add_argument("--seq-len", type=argument(integer, "seq-len", minimum=2, maximum=MAX_SPAN), default=None,
+                        help="tokens per packed row (default 8192; with --from-cache, the cache's: it holds the rows)")
     parser.add_argument("--save-steps", type=argument(integer, "save-steps", minimum=1), default=200,
                         help="updates between head checkpoints (default 200)")
     parser.add_argument("--logging-steps", type=argument(integer, "logging-steps", minimum=1), default=10,
@@ -303,7 +303,7 @@ def remove_interrupted_writes(output: str) -> None:
             shutil.rmtree(os.path.join(output, name), ignore_errors=True)
 
 
-SETTING_DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001}
+SETTING_DEFAULTS = {"sinks": 4, "window": 2048, "tau_hist": 0.001, "seq_len": 8192}
 
 
 def _data_source(args):
@@ -327,10 +327,10 @@ def _data_source(args):
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from err
     for key in SETTING_DEFAULTS:
-        given, cached = getattr(args, key), cache.manifest[key]
-        if given is not None and given != cached:
+        given, cached = getattr(args, key), cache.manifest.get(key)   # (caches of an older oda_hf: no seq_len)
+        if given is not None and given != cached:   # given and unused, it would look applied
             flag = "--" + key.replace("_", "-")
-            raise UsageError(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w and "
-                             f"tau_hist. Drop {flag} or cache again with the new value.")
+            raise UsageError(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w, "
+                             f"tau_hist and the rows' length. Drop {flag} or cache again with the new value.")
         setattr(args, key, cached)
     return cache
