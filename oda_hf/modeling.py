@@ -13,6 +13,7 @@ and `_prepare_cache_for_generation` installs an `OdaCache`.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+import json
 import os
 import threading
 import weakref
@@ -27,7 +28,7 @@ from transformers.utils import PushToHubMixin, logging
 from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
 from .compat import CACHE_ARG, cache_kwargs
-from .config import ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
+from .config import CALIBRATION_NAME, ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
 from .head import RecallHead, pop_push_kwargs, push_published
 from .known_models import resolve_base, resolve_head
 from .loading import HEAD_MODEL_TYPE, HUB_KWARGS, read_model_type, resolve_local_folder
@@ -172,11 +173,15 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             raise TypeError(f"head must be a RecallHead, a hub id or a folder; got {type(head).__name__}.")
         head.check_compatible(self.base_model.config)
         head.check_base_fingerprint(self.base_model)  # one warning if the head was trained on other weights
-        cfg = head.config
-        for name in ("sinks", "window"):
-            trained, used = getattr(cfg, name), getattr(self.oda_config, name)
-            if trained is not None and trained != used:
-                logger.warning(f"The recall head was trained with {name}={trained}, but routing uses {name}={used}.")
+        _warn_other_geometry(head, self.oda_config)
+        previous = self._modules.get("recall_head")
+        if previous is not None and self.oda_config.threshold != OdaConfig().threshold:
+            from .evaluation.runner import head_fingerprint
+
+            if head_fingerprint(previous) != head_fingerprint(head):   # a save would publish it for the new weights
+                logger.warning(f"The routing threshold {self.oda_config.threshold:g} was set with the previous recall "
+                               "head and stays: calibrate this head (`oda calibrate`) or set its own with "
+                               "set_routing(threshold=...).")
         self.recall_head = head.to(device=self.device, dtype=torch.float32).eval()
 
     def _apply(self, fn, recurse: bool = True):
@@ -205,6 +210,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         if config.routing_policy().uses_head and self.recall_head is None:
             # Checked before assigning: a refused change leaves the model as it was.
             raise ValueError("policy='head' needs a recall head; call set_head() first.")
+        if self.recall_head is not None and {"sinks", "window"} & set(changes):
+            _warn_other_geometry(self.recall_head, config)   # as from_pretrained(window=...) and set_head warn
         self.oda_config = config
 
     # -- what GenerationMixin expects of a model ---------------------------------------------------
@@ -741,6 +748,37 @@ class _RecordFinishedRows(StoppingCriteria):
         return done
 
 
+def _warn_other_geometry(head: RecallHead, oda_config: OdaConfig) -> None:
+    """Warn where routing's sinks or window differ from those the head was trained with, or from those its
+    folder's threshold was calibrated at (a calibrated threshold holds for that geometry only)."""
+    for name in ("sinks", "window"):
+        trained, used = getattr(head.config, name), getattr(oda_config, name)
+        if trained is not None and trained != used:
+            logger.warning(f"The recall head was trained with {name}={trained}, but routing uses {name}={used}.")
+    calibration = _calibration_of(head)
+    if calibration is None or calibration.get("threshold") != oda_config.threshold:
+        return
+    for name in ("sinks", "window"):
+        calibrated, used = calibration.get(name), getattr(oda_config, name)
+        if calibrated is not None and calibrated != used and calibrated != getattr(head.config, name):
+            logger.warning(f"The routing threshold {oda_config.threshold:g} was calibrated at {name}={calibrated}, "
+                           f"but routing uses {name}={used}: calibrate again at this geometry (`oda calibrate`).")
+
+
+def _calibration_of(head: RecallHead) -> dict | None:
+    """The chosen threshold and geometry of the calibration saved beside the head's weights, or None."""
+    folder = getattr(head, "_oda_source_folder", None)
+    path = os.path.join(folder, CALIBRATION_NAME) if folder else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        return {"threshold": saved["chosen"]["threshold"], **{key: saved.get(key) for key in ("sinks", "window")}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _config_for_head(head: RecallHead | None) -> OdaConfig:
     """Default routing: the Local geometry the head was trained with, if it records one."""
     if head is not None and not isinstance(head, RecallHead):
@@ -813,7 +851,19 @@ def _saved_oda_config(name: str, folder: str, head_kwargs: dict) -> OdaConfig | 
                            **{key: value for key, value in head_kwargs.items() if key in HUB_KWARGS})
     except OSError:
         return None
-    return OdaConfig.from_json_file(path) if path else None
+    if path:
+        return OdaConfig.from_json_file(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    hub = {key: head_kwargs[key] for key in ("cache_dir", "revision") if head_kwargs.get(key) is not None}
+    filename = "/".join(filter(None, [head_kwargs.get("subfolder"), ODA_CONFIG_NAME]))
+    if try_to_load_from_cache(name, filename, **hub) is None:   # neither cached nor known to be absent
+        logger.warning(
+            f"The routing defaults of the recall head {name!r} ({ODA_CONFIG_NAME}: its calibrated threshold, sinks and "
+            "window) could not be read: not in the local cache, and the hub unreachable (offline?). Routing uses the "
+            "head's trained geometry and the default threshold. Download the whole repository while online "
+            "(huggingface_hub.snapshot_download), or pass threshold=... .")
+    return None
 
 
 def _warn_unapplied_threshold(head: RecallHead, oda_config: OdaConfig) -> None:

@@ -111,6 +111,68 @@ def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypa
         assert all(torch.equal(model.recall_head.state_dict()[k], v) for k, v in heads[expected].state_dict().items())
 
 
+def test_an_uncached_routing_config_of_a_hub_head_is_named_offline(tmp_path, monkeypatch, caplog):
+    """Found by an audit: `RecallHead.from_pretrained("me/head")` caches the weights and config only; offline, a
+    later `from_pretrained(base, head="me/head")` then routed at threshold 0 instead of the saved one, silently."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    base = tiny_model("qwen3", seed=0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+    OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4, threshold=0.3)).save_pretrained(tmp_path / "A")
+    repo = tmp_path / "hub" / "models--me--head"
+    shutil.copytree(tmp_path / "A", repo / "snapshots" / ("a" * 40))
+    (repo / "snapshots" / ("a" * 40) / "oda_config.json").unlink()   # cached without it
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with caplog.at_level("WARNING"):
+        model = OdaForCausalLM.from_pretrained(base, head="me/head")
+    assert model.oda_config.threshold == 0.0 and "could not be read" in caplog.text
+    (repo / ".no_exist" / ("a" * 40)).mkdir(parents=True)   # known to be absent from the repository: no warning
+    (repo / ".no_exist" / ("a" * 40) / "oda_config.json").touch()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM.from_pretrained(base, head="me/head")
+    assert "could not be read" not in caplog.text
+
+
+def test_a_threshold_set_for_another_head_or_geometry_is_named(tmp_path, caplog):
+    """Found by an audit: set_head() kept the previous head's (calibrated) threshold and a save published it with the
+    new weights; a threshold calibrated at another window, and set_routing(window=...) away from the trained one,
+    were used without a word."""
+    base = tiny_model("qwen3", seed=0)
+    torch.manual_seed(1)
+    first = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+    torch.manual_seed(2)
+    second = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+    model = OdaForCausalLM(base, first, OdaConfig(sinks=2, window=4, threshold=0.4))
+    with caplog.at_level("WARNING"):
+        model.set_head(first)   # the same weights: nothing to say
+    assert "previous recall head" not in caplog.text
+    with caplog.at_level("WARNING"):
+        model.set_head(second)
+    assert "threshold 0.4 was set with the previous recall head" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        model.set_routing(window=8)
+    assert "trained with window=4, but routing uses window=8" in caplog.text
+    # calibrated at window 8 (calibration.json beside the weights), loaded at the trained window 4
+    model.save_pretrained(tmp_path / "h")
+    (tmp_path / "h" / "calibration.json").write_text(json.dumps({"sinks": 2, "window": 8,
+                                                                 "chosen": {"threshold": 0.4}}))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM.from_pretrained(base, head=str(tmp_path / "h"), window=4)
+    assert "threshold 0.4 was calibrated at window=8, but routing uses window=4" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM.from_pretrained(base, head=str(tmp_path / "h"))
+    assert "calibrated at" not in caplog.text
+
+
 def test_a_head_config_for_a_short_name():
     """README's recipe, `RecallHeadConfig.for_base("smollm2")`, asked the hub for a model named smollm2."""
     config = RecallHeadConfig.for_base("organism", head_width=8)
