@@ -56,6 +56,8 @@ class RecallHeadConfig(PretrainedConfig):
         base_vocab_size: that base model's vocabulary size.
         base_fingerprint: `base_fingerprint(base)` of that model's weights; attaching the head to a
             base with another fingerprint logs a warning.
+        base_config_sha256: `base_config_fingerprint(base)` of its config's forward settings (RoPE, windows...);
+            attaching the head to the same weights under other ones logs a warning.
         sinks / window: the Local access set the head was trained with.
         oda_lambda / tau_hist: training penalty and history threshold (ODA_SPEC section 5).
     """
@@ -73,6 +75,7 @@ class RecallHeadConfig(PretrainedConfig):
         base_model_revision: str | None = None,
         base_vocab_size: int | None = None,
         base_fingerprint: str | None = None,
+        base_config_sha256: str | None = None,
         sinks: int | None = None,
         window: int | None = None,
         oda_lambda: float | None = None,
@@ -82,14 +85,14 @@ class RecallHeadConfig(PretrainedConfig):
         try:
             self._set_checked(hidden_size, head_width, input_variant, rms_norm_eps, initializer_range,
                               base_model_name_or_path, base_model_revision, base_vocab_size, base_fingerprint, sinks,
-                              window, oda_lambda, tau_hist)
+                              window, oda_lambda, tau_hist, base_config_sha256)
         except TypeError as err:  # as OdaConfig: a wrong type in config.json is a bad value to its readers
             raise ValueError(str(err)) from None
         super().__init__(**kwargs)
 
     def _set_checked(self, hidden_size, head_width, input_variant, rms_norm_eps, initializer_range,
                      base_model_name_or_path, base_model_revision, base_vocab_size, base_fingerprint, sinks, window,
-                     oda_lambda, tau_hist) -> None:
+                     oda_lambda, tau_hist, base_config_sha256) -> None:
         # Checked here, so that a hand-edited or corrupt head config.json fails in one line naming the field
         # instead of deep inside nn.Linear (a width of 0 or -3) or at the first forward (NaN eps).
         if not isinstance(input_variant, str) or input_variant not in INPUT_VARIANTS:
@@ -105,13 +108,15 @@ class RecallHeadConfig(PretrainedConfig):
         self.rms_norm_eps = number("rms_norm_eps", rms_norm_eps, minimum=0.0, exclusive_minimum=True)
         self.initializer_range = number("initializer_range", initializer_range, minimum=0.0)
         for name, value in (("base_model_name_or_path", base_model_name_or_path),
-                            ("base_model_revision", base_model_revision), ("base_fingerprint", base_fingerprint)):
+                            ("base_model_revision", base_model_revision), ("base_fingerprint", base_fingerprint),
+                            ("base_config_sha256", base_config_sha256)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"`{name}` must be a string or None; got {value!r} ({type(value).__name__}).")
         self.base_model_name_or_path = base_model_name_or_path
         self.base_model_revision = base_model_revision
         self.base_vocab_size = _optional(integer, "base_vocab_size", base_vocab_size, minimum=1)
         self.base_fingerprint = base_fingerprint
+        self.base_config_sha256 = base_config_sha256
         self.sinks = _optional(integer, "sinks", sinks, minimum=0, maximum=MAX_SPAN)
         self.window = _optional(integer, "window", window, minimum=1, maximum=MAX_SPAN)
         self.oda_lambda = _optional(number, "oda_lambda", oda_lambda, minimum=0.0)
@@ -121,7 +126,8 @@ class RecallHeadConfig(PretrainedConfig):
     def for_base(cls, base, **kwargs) -> "RecallHeadConfig":
         """A config sized for `base` (a model, a config, or a hub id / local path / fetched short name of one).
 
-        Given a loaded model, it also records `base_fingerprint(base)`.
+        Given a loaded model, it also records `base_fingerprint(base)`; given a model or a config, its
+        `base_config_fingerprint`.
         """
         if isinstance(base, str):
             from .known_models import resolve_base   # a fetched model's short name ("smollm2") too
@@ -131,6 +137,7 @@ class RecallHeadConfig(PretrainedConfig):
             config = getattr(base, "config", base)
         if isinstance(base, nn.Module):
             kwargs.setdefault("base_fingerprint", base_fingerprint(base))
+        kwargs.setdefault("base_config_sha256", forward_config_fingerprint(config))
         text = config.get_text_config(decoder=True)
         name = getattr(config, "_name_or_path", None) or (base if isinstance(base, str) else None)
         from .known_models import short_name_of  # a fetched base is recorded by its short name, not this machine's path
@@ -198,9 +205,13 @@ def base_config_fingerprint(model) -> str:
     another RoPE scaling or sliding window compute other hidden states."""
     from .modeling import OdaForCausalLM
 
-    base = model.base_model if isinstance(model, OdaForCausalLM) else model
-    config = base.config.get_text_config(decoder=True).to_dict()
-    fields = {key: config[key] for key in FORWARD_CONFIG_KEYS if key in config}
+    return forward_config_fingerprint((model.base_model if isinstance(model, OdaForCausalLM) else model).config)
+
+
+def forward_config_fingerprint(config) -> str:
+    """`base_config_fingerprint` of a base's config."""
+    values = config.get_text_config(decoder=True).to_dict()
+    fields = {key: values[key] for key in FORWARD_CONFIG_KEYS if key in values}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -342,13 +353,14 @@ class RecallHead(PreTrainedModel):
         self.config.check_compatible(base_config)
 
     def check_base_fingerprint(self, base_model: nn.Module) -> bool:
-        """Warn (and return False) if the head records a base fingerprint that `base_model` does not match."""
+        """Warn (and return False) if the head records a base fingerprint, or a config fingerprint, that
+        `base_model` does not match."""
         recorded = self.config.base_fingerprint
         if recorded is None:
-            return True
+            return self._check_base_config(base_model)
         actual = base_fingerprint(base_model)
         if actual is None or actual == recorded:
-            return True
+            return self._check_base_config(base_model)
         trained_for = self.config.base_model_name_or_path or "another base model"
         base_name = getattr(base_model.config, "_name_or_path", "") or "this base model"
         logger.warning(
@@ -356,6 +368,16 @@ class RecallHead(PreTrainedModel):
             f"fingerprint {recorded[:19]}... vs {actual[:19]}...). Its routing decisions are likely meaningless "
             "for this base; use a head trained for it (or the same weights loaded in float32/bfloat16)."
         )
+        return False
+
+    def _check_base_config(self, base_model: nn.Module) -> bool:
+        recorded = getattr(self.config, "base_config_sha256", None)
+        if recorded is None or recorded == forward_config_fingerprint(base_model.config):
+            return True
+        logger.warning("This recall head was trained on these weights under another configuration (RoPE, windows, "
+                       "norms or attention shape differ from the ones it recorded): its routing decisions may not "
+                       "hold; load the base with the configuration the head was trained with, or train a head for "
+                       "this one.")
         return False
 
     # -- saving and publishing --------------------------------------------------------------------

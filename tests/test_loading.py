@@ -173,6 +173,24 @@ def test_a_threshold_set_for_another_head_or_geometry_is_named(tmp_path, caplog)
     assert "calibrated at" not in caplog.text
 
 
+def test_a_head_on_the_same_weights_under_another_config_is_named(tmp_path, caplog):
+    """Found by an audit: the head's identity of its base covered the weights only, so the same weights under another
+    RoPE (or sliding window) took the head without a word, while every output changed."""
+    base = tiny_model("qwen3", seed=0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+    base.save_pretrained(tmp_path / "base")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": 1234.0}
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+    other = type(base).from_pretrained(tmp_path / "base")
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4))
+    assert "under another configuration" not in caplog.text
+    with caplog.at_level("WARNING"):
+        OdaForCausalLM(other, head, OdaConfig(sinks=2, window=4))
+    assert "under another configuration" in caplog.text
+
+
 def test_a_head_config_for_a_short_name():
     """README's recipe, `RecallHeadConfig.for_base("smollm2")`, asked the hub for a model named smollm2."""
     config = RecallHeadConfig.for_base("organism", head_width=8)

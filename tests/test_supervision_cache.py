@@ -255,7 +255,7 @@ def test_resuming_from_the_checkpoint_of_the_last_update_adds_none(tmp_path, len
 def test_a_head_made_from_the_base_config_records_the_weights_it_trains_on(tmp_path):
     """README's recipe passes the base's name to `RecallHeadConfig.for_base`, which fingerprints only a loaded model:
     the trained head recorded no base weights, and attached to another base of the same shapes it said nothing."""
-    from oda_hf.head import base_fingerprint
+    from oda_hf.head import base_config_fingerprint, base_fingerprint
 
     model = oda_model()
     head = RecallHead(RecallHeadConfig.for_base(model.base_model.config, head_width=8))
@@ -263,6 +263,7 @@ def test_a_head_made_from_the_base_config_records_the_weights_it_trains_on(tmp_p
     model.set_head(head)
     OdaTrainer(model=model, args=args(tmp_path, max_steps=1), train_dataset=PackedDataset(packed_rows()))
     assert head.config.base_fingerprint == base_fingerprint(model.base_model) is not None
+    assert head.config.base_config_sha256 == base_config_fingerprint(model) is not None   # and its forward config
 
 
 def test_training_a_calibrated_head_drops_its_threshold_wherever_it_is_saved(tmp_path):

@@ -51,7 +51,7 @@ from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..head import HEAD_WEIGHT_FILES
 from ..head import uncalibrated_routing
-from ..head import base_fingerprint as weights_fingerprint
+from ..head import base_fingerprint as weights_fingerprint, forward_config_fingerprint
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -277,6 +277,7 @@ class OdaTrainer(Trainer):
         # The weights the head learns to read: `for_base` records them only when given a loaded model (a head made
         # from the base's name held none, so using it on another base went unnoticed).
         head_config.base_fingerprint = weights_fingerprint(model.base_model)
+        head_config.base_config_sha256 = forward_config_fingerprint(model.base_model.config)
         base_path = getattr(model.config, "_name_or_path", None) or None
         base_name = short_name_of(base_path) or base_path  # a fetched base by its short name, not this machine's path
         head_config.base_model_name_or_path = head_config.base_model_name_or_path or base_name
