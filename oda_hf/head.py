@@ -340,6 +340,9 @@ class RecallHead(PreTrainedModel):
         problems = [f"missing {name}" for name in sorted(set(expected) - set(stored))]
         problems += [f"{name} is {list(stored[name])}, config.json implies {list(shape)}"
                      for name, shape in sorted(expected.items()) if name in stored and stored[name] != shape]
+        # weights this head does not have (a head of another version or layout): dropped, they would change nothing
+        # of what it computes, while the folder's head did compute with them
+        problems += [f"unexpected {name}" for name in sorted(set(stored) - set(expected))]
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise ValueError(

@@ -73,6 +73,18 @@ def head_with_wider_config_than_weights(tmp):
     return tmp / "head"
 
 
+def head_with_an_extra_weight(tmp):
+    """A head of another version or layout: a weight this head does not have was dropped with transformers' load
+    report only (found by an audit)."""
+    import safetensors.torch
+
+    path = saved_head(tmp / "head") / "model.safetensors"
+    weights = safetensors.torch.load_file(path)
+    weights["blocks.9.down_proj.weight"] = torch.zeros(2, 2)
+    safetensors.torch.save_file(weights, path, metadata={"format": "pt"})
+    return tmp / "head"
+
+
 def head_with_oda_config(tmp, text):
     (saved_head(tmp / "head") / "oda_config.json").write_text(text)
     return tmp / "head"
@@ -145,6 +157,8 @@ ROWS = [
     ("head config not JSON", load_head(head_with_broken_config), ValueError, "config.json is not valid JSON"),
     ("head weights narrower than their config", load_head(head_with_wider_config_than_weights), ValueError,
      "inconsistent: blocks.0.down_proj.weight is [8, 16], config.json implies [16, 32]"),
+    ("head weights with one more tensor", load_head(head_with_an_extra_weight), ValueError,
+     "inconsistent: unexpected blocks.9.down_proj.weight"),
     ("RecallHead.from_pretrained of a base folder",
      lambda tmp: RecallHead.from_pretrained(base_model_folder(tmp)), ValueError, "is not a recall head"),
     ("head for another hidden size",
