@@ -90,7 +90,8 @@ def is_oda_key(key) -> bool:
     if not isinstance(key, str):
         return False
     squashed = re.sub(r"[\W_]", "", key.lower())
-    return key.strip().lower().replace("-", "_").startswith("oda_") or squashed.startswith(("odapolicy", "odathreshold"))
+    return (key.strip().lower().replace("-", "_").startswith("oda_")
+            or squashed.startswith(("odapolicy", "odathreshold")))
 
 
 def request_routing(extra_args: dict | None, default: RequestRouting,
