@@ -329,7 +329,7 @@ def generation_fingerprint(model, tokenizer) -> str:
     processors such as a repetition penalty), the output cap aside: another generation_config.json gives other
     outputs from the same weights."""
     fields = greedy_config(model, tokenizer, 1).to_diff_dict()
-    for key in ("transformers_version", "max_new_tokens", "max_length"):
+    for key in ("transformers_version", "_from_model_config", "max_new_tokens", "max_length"):   # (metadata, cap)
         fields.pop(key, None)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
