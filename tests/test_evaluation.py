@@ -1147,3 +1147,18 @@ def test_an_earlier_version_brought_back_must_be_scored_as_the_rest():
         runner.current_records(records, versions)
     versions[("e0", matched)][0]["answers"] = ["w5"]   # rescored alike: reported
     assert [r["p"] for r in runner.current_records(records, versions) if r["kind"] == "random"] == [0.5]
+
+
+def test_an_infinite_confidence_baseline_ranks_in_order():
+    """Found by an audit: a certain Local step (second-best probability 0, top-2 log-ratio +inf) made the negated
+    baseline -inf, which the rankings' rule (non-finite = Full first, the head's) put first: AUROC 0.5 for 1.0."""
+    n = 4
+    record = diagnostics.ReferencePositions(
+        doc_id="d", history="full", positions=np.arange(1, n + 1), targets=np.zeros(n, dtype=int),
+        full_logp=np.array([-1.0, -1.0, 0.0, 0.0]), local_logp=np.array([-2.0, -2.0, 0.0, 0.0]),
+        head_scores=np.full(n, np.nan), selected_full=np.zeros(n, dtype=bool), local_top1=np.zeros(n, dtype=int),
+        full_top1=np.zeros(n, dtype=int), entropy=np.array([1.0, 0.9, 0.0, 0.0]),
+        max_prob=np.array([0.5, 0.6, 1.0, 1.0]), margin=np.array([0.1, 0.2, 1.0, 1.0]),
+        top2_logratio=np.array([0.5, 1.0, np.inf, np.inf]))
+    pooled = diagnostics.Pooled.of([record])
+    assert stats.auroc(pooled.rankings["neg_top2_logratio"], pooled.gains > 0) == 1.0

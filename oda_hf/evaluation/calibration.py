@@ -44,8 +44,10 @@ INPUTS_NAME = "calibration_inputs.json"
 
 
 def within_full_met(entry: dict, full_score: float, tolerance: float) -> bool:
-    """Whether a sweep entry's macro score is within `tolerance` of Full's (the within-Full rule)."""
-    return entry["macro_score"] >= full_score - tolerance
+    """Whether a sweep entry's macro score is within `tolerance` of Full's (the within-Full rule). Compared to 1e-9
+    points: macro scores are sums of floats (three cwe scores of 0.2 make Full's macro 30.000000000000004), and a
+    score exactly `tolerance` below Full's was refused."""
+    return entry["macro_score"] >= full_score - tolerance - 1e-9
 
 
 def choose_threshold(sweep: list[dict], full_score: float, tolerance: float) -> dict:

@@ -357,8 +357,11 @@ class Pooled:
         def cat(name):
             return np.concatenate([getattr(r, name) for r in records]) if records else np.zeros(0)
 
-        rankings = {"entropy": cat("entropy"), "neg_max_prob": -cat("max_prob"), "neg_margin": -cat("margin"),
-                    "neg_top2_logratio": -cat("top2_logratio")}
+        # A confidence baseline's infinities are ordered (-inf: Local certain, least in need of Full): clipped to
+        # the finite range, since the rankings' rule counts any non-finite score as +inf (the head's: Full on them)
+        rankings = {name: np.clip(values, -np.finfo(float).max, np.finfo(float).max) for name, values in
+                    {"entropy": cat("entropy"), "neg_max_prob": -cat("max_prob"), "neg_margin": -cat("margin"),
+                     "neg_top2_logratio": -cat("top2_logratio")}.items()}
         head = cat("head_scores")
         if len(head) and np.isfinite(head).any():
             rankings = {"head": head, **rankings}
