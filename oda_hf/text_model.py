@@ -9,14 +9,18 @@ written atomically and checked: on a text-only prompt its logits must equal the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 from .cli_common import UsageError
-from .files import publish_files, staging_folder
+from .files import output_lock, publish_files, remove_stale_partials, staging_folder
 
 CHECK_TOKENS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Files of a model folder that readers pick up by pattern: those a new conversion does not write are removed.
+STALE_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "tokenizer*",
+               "chat_template*", "special_tokens_map.json", "generation_config.json", "vocab.json", "merges.txt")
 
 
 def text_model_class(config):
@@ -39,16 +43,24 @@ def extract_text_model(source: str, output: str) -> dict:
     The multimodal model is loaded whole; its language model (``model.language_model``) and output matrix become the
     text class's ``model`` and ``lm_head``. Both models then run a text-only prompt: the logits must be equal, and
     equal again after the folder is loaded back, or nothing is kept."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     if not os.path.isfile(os.path.join(source, "config.json")):
         raise UsageError(f"{source} has no config.json: give a local multimodal checkpoint folder.")
     if os.path.exists(output) and not os.path.isdir(output):
         raise UsageError(f"{output} is a file, not a folder: give a new folder for the text model.")
     if os.path.exists(os.path.join(output, "config.json")):
         raise UsageError(f"{output} already holds a model (config.json): give a new folder.")
+    with output_lock(output, "the text model"):
+        # the staging folder of a killed run into `output` (we hold its lock, so none is in use)
+        target = os.path.abspath(output)
+        remove_stale_partials(os.path.dirname(target), [os.path.basename(target)])
+        return _extract(source, output)
+
+
+def _extract(source: str, output: str) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(source)
     cls = text_model_class(config)
     names = [name for name in (config.architectures or []) if hasattr(transformers, name)]
@@ -81,11 +93,17 @@ def extract_text_model(source: str, output: str) -> dict:
         # Only a tokenizer the checkpoint has: transformers would otherwise build an empty one from the model type.
         tokenizer = any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES)
         if tokenizer:
-            AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+            text_tokenizer = AutoTokenizer.from_pretrained(source)
+            processor_template = os.path.join(source, "chat_template.json")   # a processor's, which it does not read
+            if getattr(text_tokenizer, "chat_template", None) is None and os.path.isfile(processor_template):
+                with open(processor_template, encoding="utf-8") as f:
+                    text_tokenizer.chat_template = json.load(f).get("chat_template")
+            text_tokenizer.save_pretrained(staging)
         with torch.no_grad():
             _check_equal(expected, cls.from_pretrained(staging, dtype="auto").eval()(ids).logits.float(),
                          "the saved text model's")
-        publish_files(staging, output, marker="config.json")
+        # (files of a killed earlier run into `output` go: a stale weights index would point readers at old shards)
+        publish_files(staging, output, marker="config.json", replaces=STALE_FILES)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -96,8 +114,9 @@ def extract_text_model(source: str, output: str) -> dict:
 def _check_equal(expected, got, what: str) -> None:
     difference = float((expected - got).abs().max())
     if difference != 0.0:
-        raise RuntimeError(f"On a text-only prompt {what} logits differ from the multimodal model's by "
-                           f"{difference:.3g}: nothing was kept.")
+        raise UsageError(f"On a text-only prompt {what} logits differ from the multimodal model's by "
+                         f"{difference:.3g}: nothing was kept (this checkpoint's text path is not its text model's; "
+                         "e.g. Gemma 3's final_logit_softcapping, which the multimodal class does not apply).")
 
 
 def add_cli(subparsers) -> None:

@@ -76,3 +76,45 @@ def test_text_model_refusals(tmp_path, capsys):
     assert code == 2 and "already holds a model" in err
     code, err = run_oda(["text-model", tmp_path / "text", tmp_path / "again"], capsys)
     assert code == 2 and "text-only already" in err
+
+
+def test_a_rerun_after_a_killed_conversion_leaves_no_file_of_it(tmp_path, capsys):
+    """Found by an audit: a run killed while publishing leaves every file but config.json; the rerun was accepted and
+    kept the old weight files beside the new ones (a stale sharded set with its index, which vLLM reads, or a stale
+    single file transformers prefers: another model's logits, exit 0), and the killed run's staging folder stayed."""
+    torch.manual_seed(0)
+    source, output = tmp_path / "vl", tmp_path / "text"
+    gemma3_vision_language().save_pretrained(source)
+    processor_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    save_word_tokenizer(source, VOCAB)
+    config = json.loads((source / "tokenizer_config.json").read_text())   # the template only at processor level
+    config.pop("chat_template", None)
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja",):
+        (source / name).unlink(missing_ok=True)
+    (source / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
+    assert transformers.AutoTokenizer.from_pretrained(source).chat_template is None
+    output.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer_config.json"):
+        (output / name).write_text("left by a killed run")
+    (tmp_path / ".text.partial-abc").mkdir()
+    (tmp_path / ".text.partial-abc" / "model.safetensors").write_text("half written")
+    code, err = run_oda(["text-model", source, output], capsys)
+    assert code == 0, err
+    assert not (output / "model-00001-of-00002.safetensors").exists()
+    assert not (output / "model.safetensors.index.json").exists()
+    assert not (tmp_path / ".text.partial-abc").exists()
+    assert transformers.AutoTokenizer.from_pretrained(output).chat_template == processor_template   # the processor's
+
+
+def test_a_text_path_that_differs_is_one_line(tmp_path, capsys):
+    """Gemma 3's multimodal class does not apply final_logit_softcapping, its text class does: refused in one line with
+    exit 2 (it was a traceback), nothing kept."""
+    torch.manual_seed(0)
+    source = tmp_path / "vl"
+    model = gemma3_vision_language()
+    model.config.text_config.final_logit_softcapping = 30.0
+    model.save_pretrained(source)
+    code, err = run_oda(["text-model", source, tmp_path / "text"], capsys)
+    assert code == 2 and "logits differ" in err and "Traceback" not in err
+    assert not (tmp_path / "text" / "config.json").exists()
