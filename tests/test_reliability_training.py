@@ -667,6 +667,28 @@ def test_seq_len_given_with_a_cache_of_other_rows_is_refused(setup, tmp_path):
     assert code == 0, err
 
 
+def test_an_eval_cache_of_another_window_is_refused(setup, tmp_path):
+    """Found by an audit: OdaCacheTrainer checked its training cache against the model, not a cache given as
+    eval_dataset (another window's gave an eval loss, exit 0)."""
+    from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
+    from oda_hf.training import OdaTrainingArguments
+    from oda_hf.training.supervision_cache import OdaCacheTrainer, SupervisionCacheDataset
+    from transformers import AutoModelForCausalLM
+
+    for name, window in (("same", W), ("other", W + 2)):
+        argv = _cache(setup, tmp_path / name)
+        argv[argv.index("--window") + 1] = str(window)
+        code, err = _oda(argv)
+        assert code == 0, err
+    base = AutoModelForCausalLM.from_pretrained(setup / "base", dtype=torch.float32)
+    model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
+                           OdaConfig(sinks=S, window=W))
+    args = OdaTrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=1)
+    OdaCacheTrainer(model, args, cache=tmp_path / "same", eval_dataset=SupervisionCacheDataset(tmp_path / "same"))
+    with pytest.raises(ValueError, match="window"):
+        OdaCacheTrainer(model, args, cache=tmp_path / "same", eval_dataset=SupervisionCacheDataset(tmp_path / "other"))
+
+
 def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):
     from oda_hf import OdaConfig
 

@@ -462,3 +462,76 @@ def test_with_a_masked_prompt_training_feeds_what_inference_feeds_after_the_pref
             model(input_ids=ids[:, prompt:prompt + 1], past_key_values=cache)
         hook.remove()
         torch.testing.assert_close(paired.prev_hidden[0], seen["H"], atol=1e-5, rtol=1e-5)
+
+
+# -- standard Trainer features (found by an audit) --------------------------------------------------------
+def _rows(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return PackedDataset([{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(),
+                           "position_ids": list(range(n))} for n in lengths])
+
+
+def _trainer_args(out, **changes):
+    values = dict(output_dir=str(out), per_device_train_batch_size=1, warmup_steps=0, use_cpu=True, disable_tqdm=True,
+                  save_strategy="no", logging_steps=1, report_to="none", learning_rate=1e-2,
+                  train_sampling_strategy="sequential")
+    return OdaTrainingArguments(**{**values, **changes})
+
+
+def test_the_eval_loss_is_the_pooled_training_loss_whatever_the_batch_size(tmp_path):
+    """transformers' loop averaged each eval batch's own mean over rows: 0.0119 / 0.0196 / 0.0182 at eval batch sizes
+    1 / 2 / 3 on one set, a row without an eligible position counted as 0, and a set without any scored 0.0."""
+    model = oda_model("qwen3", head=True)
+    evaluation = _rows([14, 5, 13], seed=5)   # the middle row has no eligible position
+    trainer = OdaTrainer(model=model, args=_trainer_args(tmp_path, max_steps=1), train_dataset=_rows([14, 12]))
+    trainer.model.eval()
+    with torch.no_grad():
+        losses = torch.cat([trainer.model(**trainer.data_collator([row]))["losses"] for row in evaluation])
+    for batch_size in (1, 2, 3):
+        trainer.args.per_device_eval_batch_size = batch_size
+        metrics = trainer.evaluate(evaluation)
+        assert metrics["eval_loss"] == pytest.approx(losses.double().mean().item(), rel=1e-6), batch_size
+        assert metrics["eval_eligible_tokens"] == losses.numel()
+    with pytest.raises(ValueError, match="No eligible position in the eval data"):
+        trainer.evaluate(_rows([5, 6, 4], seed=9))
+
+
+def test_resume_needs_the_optimizer_state_and_keeps_the_optimizer_settings(tmp_path):
+    """A checkpoint saved with save_only_model=True resumed with a fresh optimizer and warm-up (another head, exit 0);
+    Adam's betas, epsilon, data_seed and the schedule's kwargs changed on resume were recorded while the checkpoint's
+    state went on."""
+    data = _rows([14, 12, 13, 15])
+    first = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data,
+                       args=_trainer_args(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2,
+                                          save_only_model=True))
+    first.train()
+    again = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data,
+                       args=_trainer_args(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2,
+                                          save_only_model=True))
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        again.train(resume_from_checkpoint=True)
+    OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data,
+               args=_trainer_args(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=2)).train()
+    for change in ({"adam_beta2": 0.5}, {"adam_epsilon": 1e-3}, {"data_seed": 7}):
+        resumed = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data,
+                             args=_trainer_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2,
+                                                **change))
+        with pytest.raises(ValueError, match=f"{next(iter(change))}: .* in the checkpoint"):
+            resumed.train(resume_from_checkpoint=True)
+
+
+def test_a_finished_run_resumed_with_load_best_model_at_end_gives_its_best_head(tmp_path):
+    """Resuming a finished run returned its last checkpoint's head, not the best one the run ended with."""
+    data, evaluation = _rows([14, 12, 13, 15, 16, 14]), _rows([14, 13], seed=5)
+    settings = dict(max_steps=6, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                    load_best_model_at_end=True, metric_for_best_model="loss", learning_rate=0.3)
+    model = oda_model("qwen3", head=True)
+    trainer = OdaTrainer(model=model, args=_trainer_args(tmp_path, **settings), train_dataset=data,
+                         eval_dataset=evaluation)
+    trainer.train()
+    best = {k: v.clone() for k, v in model.recall_head.state_dict().items()}
+    assert trainer.state.best_model_checkpoint and not trainer.state.best_model_checkpoint.endswith("checkpoint-6")
+    again = oda_model("qwen3", head=True)
+    OdaTrainer(model=again, args=_trainer_args(tmp_path, **settings), train_dataset=data,
+               eval_dataset=evaluation).train(resume_from_checkpoint=True)
+    assert all(torch.equal(again.recall_head.state_dict()[k], v) for k, v in best.items())

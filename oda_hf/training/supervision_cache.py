@@ -476,6 +476,10 @@ class OdaCacheTrainer(OdaTrainer):
         sinks = model.oda_config.sinks if args.oda_sinks is None else args.oda_sinks
         window = model.oda_config.window if args.oda_window is None else args.oda_window
         self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
+        evaluation = kwargs.get("eval_dataset")   # (a cache of another base or window gave an eval loss, exit 0)
+        for dataset in evaluation.values() if isinstance(evaluation, dict) else [evaluation]:
+            if isinstance(dataset, SupervisionCacheDataset):
+                dataset.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
         kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache))
         kwargs.setdefault("data_collator", CachedSupervisionCollator())
         # Which rows the head learns from: resuming on other caches (other documents or --seq-len) is another run.

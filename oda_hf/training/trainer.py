@@ -43,7 +43,8 @@ import safetensors.torch
 import torch
 from torch import nn
 from transformers import Trainer, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, rotate_checkpoints
+from transformers.trainer_pt_utils import find_batch_size
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput, rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import CALIBRATION_NAME, OdaConfig
@@ -66,8 +67,9 @@ TRAINER_STATE_NAME = "trainer_state.json"
 SETTINGS_NAME = "oda_training.json"
 #: Training arguments a resumed run keeps whatever it is given: the checkpoint's optimizer and schedule state carry
 #: its learning rate and warm-up, and the data order follows its seed and batch shape.
-RESUME_KEEPS = ("learning_rate", "warmup_steps", "lr_scheduler_type", "weight_decay", "per_device_train_batch_size",
-                "gradient_accumulation_steps", "seed")
+RESUME_KEEPS = ("learning_rate", "warmup_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "weight_decay",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "optim",
+                "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon")
 STAGING_PREFIX = "tmp-checkpoint-"  # a checkpoint being written; renamed to checkpoint-N when complete
 MICRO_COUNT, UPDATE_COUNT, NUM_MICRO = "oda_micro_count", "oda_update_count", "oda_num_micro"
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -380,6 +382,29 @@ class OdaTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """`evaluate()` / `predict()`: the training loss over every eligible position of the set, pooled. (The stock
+        loop averaged each batch's own mean over rows: the number changed with the eval batch size, a batch without an
+        eligible position counted as a loss of 0, and a set without any scored a perfect 0.)"""
+        model = self._wrap_model(self.model, training=False, dataloader=dataloader)
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.args.device)   # loss sum, eligible positions
+        samples = 0
+        for inputs in dataloader:
+            inputs = self._prepare_inputs(inputs)
+            samples += find_batch_size(inputs) or 0
+            with torch.no_grad():
+                losses = model(**{key: inputs[key] for key in self.model_inputs if key in inputs})["losses"]
+            total += torch.stack([losses.double().sum(), torch.tensor(float(losses.numel()), device=total.device)])
+        if self.args.world_size > 1:
+            total = self.accelerator.gather(total[None]).sum(dim=0)
+        if int(total[1]) == 0:
+            raise ValueError(self._no_supervision_message(f"the {metric_key_prefix} data"))
+        metrics = {f"{metric_key_prefix}_loss": float(total[0] / total[1]),
+                   f"{metric_key_prefix}_eligible_tokens": int(total[1])}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         if not isinstance(scheduler, (_SkipAwareScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
@@ -393,6 +418,12 @@ class OdaTrainer(Trainer):
         finished = self._finished_checkpoint(resume_from_checkpoint)
         if finished is not None:
             return finished
+        if resume_from_checkpoint and not any(os.path.isfile(os.path.join(resume_from_checkpoint, name))
+                                              for name in ("optimizer.pt", "optimizer.bin")):
+            # (transformers would resume with a fresh optimizer and warm-up, the head going on as another run)
+            raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): it "
+                             "cannot be resumed as the same run. Start a new output folder, or train on from its head "
+                             "as a new run.")
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
         # the checkpoint's updates had some; data without any is refused before training, `_check_supervision`)
@@ -435,6 +466,9 @@ class OdaTrainer(Trainer):
             return None
         self._load_from_checkpoint(checkpoint)
         self.state = state
+        if self.args.load_best_model_at_end and state.best_model_checkpoint \
+                and os.path.isdir(state.best_model_checkpoint):   # as the finished run ended: with its best head
+            self._load_best_model()
         logger.info("%s already holds all %d updates: nothing left to train.", checkpoint, planned)
         return TrainOutput(state.global_step, 0.0, {})
 
