@@ -40,6 +40,11 @@ def _umask() -> int:
     return mask
 
 
+def published_mode() -> int:
+    """The mode of a published file: 0666 less the umask (what `open` gives; mkstemp's temporaries are 0600)."""
+    return 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside `path`; when the block ends normally it is synced and renamed to `path`.
@@ -62,7 +67,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         yield temporary
         # A published file follows the umask, set after the writer: safetensors renames its own 0600 temporary
         # (mkstemp's mode) onto this name, which replaced the mode set before.
-        os.chmod(temporary, 0o666 & ~_umask())
+        os.chmod(temporary, published_mode())
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -198,11 +203,13 @@ def output_lock(folder: str | os.PathLike, what: str = "this output folder") -> 
         handle.truncate()
         handle.write(f"process {os.getpid()}")
         handle.flush()
-        yield
-        # Gone when the holder finishes, so it never travels with an uploaded folder; a killed holder's stays and
-        # is reused (the OS released its lock).
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, ".oda.lock"))
+        try:
+            yield
+        finally:
+            # Gone when the holder finishes, or fails, so it never travels with an uploaded folder; a killed holder's
+            # stays and is reused (the OS released its lock).
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, ".oda.lock"))
     finally:
         handle.close()
 

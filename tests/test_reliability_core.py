@@ -393,3 +393,13 @@ def test_a_safetensors_file_written_through_atomic_path_follows_the_umask(tmp_pa
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o644
+
+
+def test_an_output_lock_is_gone_after_a_failed_block_too(tmp_path):
+    """A command refused inside its lock left `.oda.lock` in the folder (oda text-model's 'nothing kept' kept it)."""
+    from oda_hf.files import output_lock
+
+    with pytest.raises(RuntimeError):
+        with output_lock(tmp_path / "out"):
+            raise RuntimeError("refused")
+    assert not (tmp_path / "out" / ".oda.lock").exists()

@@ -117,4 +117,4 @@ def test_a_text_path_that_differs_is_one_line(tmp_path, capsys):
     model.save_pretrained(source)
     code, err = run_oda(["text-model", source, tmp_path / "text"], capsys)
     assert code == 2 and "logits differ" in err and "Traceback" not in err
-    assert not (tmp_path / "text" / "config.json").exists()
+    assert not (tmp_path / "text").exists()   # nothing kept: not even the folder and its lock
