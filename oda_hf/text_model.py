@@ -18,10 +18,6 @@ from .files import output_lock, publish_files, remove_stale_partials, staging_fo
 
 CHECK_TOKENS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-#: Files of a model folder that readers pick up by pattern: those a new conversion does not write are removed.
-STALE_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "tokenizer*",
-               "chat_template*", "special_tokens_map.json", "added_tokens.json", "generation_config.json", "vocab.json",
-               "merges.txt")
 
 
 def text_model_class(config):
@@ -50,6 +46,10 @@ def extract_text_model(source: str, output: str) -> dict:
         raise UsageError(f"{output} is a file, not a folder: give a new folder for the text model.")
     if os.path.exists(os.path.join(output, "config.json")):
         raise UsageError(f"{output} already holds a model (config.json): give a new folder.")
+    held = sorted(name for name in os.listdir(output) if name != ".oda.lock") if os.path.isdir(output) else []
+    if held:   # (a killed conversion's files, or the user's: neither is ours to replace or delete)
+        raise UsageError(f"{output} is not empty ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}; left by a "
+                         "killed conversion?): give a new or empty folder.")
     created = not os.path.exists(output)
     try:
         with output_lock(output, "the text model"):
@@ -109,8 +109,7 @@ def _extract(source: str, output: str) -> dict:
         with torch.no_grad():
             _check_equal(expected, cls.from_pretrained(staging, dtype="auto").eval()(ids).logits.float(),
                          "the saved text model's")
-        # (files of a killed earlier run into `output` go: a stale weights index would point readers at old shards)
-        publish_files(staging, output, marker="config.json", replaces=STALE_FILES)
+        publish_files(staging, output, marker="config.json")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -121,7 +120,7 @@ def _extract(source: str, output: str) -> dict:
 def _check_equal(expected, got, what: str) -> None:
     difference = float((expected - got).abs().max())
     if difference != 0.0:
-        raise UsageError(f"On a text-only prompt {what} logits differ from the multimodal model's by "
+        raise ValueError(f"On a text-only prompt {what} logits differ from the multimodal model's by "
                          f"{difference:.3g}: nothing was kept (this checkpoint's text path is not its text model's; "
                          "e.g. Gemma 3's final_logit_softcapping, which the multimodal class does not apply).")
 
@@ -138,7 +137,10 @@ def add_cli(subparsers) -> None:
 
 
 def run_text_model(args) -> int:
-    summary = extract_text_model(args.source, args.output)
+    try:
+        summary = extract_text_model(args.source, args.output)
+    except ValueError as err:   # (a text path that differs: one line, as the other refusals)
+        raise UsageError(str(err)) from None
     note = "" if summary["tokenizer"] else " (no tokenizer in the source: add one before serving)"
     print(f"{os.path.abspath(args.output)}: {summary['architecture']} ({summary['parameters']:,} parameters){note}")
     return 0

@@ -78,10 +78,11 @@ def test_text_model_refusals(tmp_path, capsys):
     assert code == 2 and "text-only already" in err
 
 
-def test_a_rerun_after_a_killed_conversion_leaves_no_file_of_it(tmp_path, capsys):
+def test_a_rerun_after_a_killed_conversion_is_refused_or_cleaned(tmp_path, capsys):
     """Found by an audit: a run killed while publishing leaves every file but config.json; the rerun was accepted and
-    kept the old weight files beside the new ones (a stale sharded set with its index, which vLLM reads, or a stale
-    single file transformers prefers: another model's logits, exit 0), and the killed run's staging folder stayed."""
+    kept the old weight files beside the new ones (a stale sharded set with its index, which vLLM reads: another
+    model's logits, exit 0). A folder holding files is now refused, naming them, and nothing in it is touched; the
+    killed run's staging folder beside it goes. A processor-level chat template is carried."""
     torch.manual_seed(0)
     source, output = tmp_path / "vl", tmp_path / "text"
     gemma3_vision_language().save_pretrained(source)
@@ -90,19 +91,22 @@ def test_a_rerun_after_a_killed_conversion_leaves_no_file_of_it(tmp_path, capsys
     config = json.loads((source / "tokenizer_config.json").read_text())   # the template only at processor level
     config.pop("chat_template", None)
     (source / "tokenizer_config.json").write_text(json.dumps(config))
-    for name in ("chat_template.jinja",):
-        (source / name).unlink(missing_ok=True)
+    (source / "chat_template.jinja").unlink(missing_ok=True)
     (source / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
     assert transformers.AutoTokenizer.from_pretrained(source).chat_template is None
     output.mkdir()
-    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer_config.json"):
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
         (output / name).write_text("left by a killed run")
+    code, err = run_oda(["text-model", source, output], capsys)
+    assert code == 2 and "is not empty (model-00001-of-00002.safetensors, model.safetensors.index.json" in err
+    assert sorted(p.name for p in output.iterdir()) == ["model-00001-of-00002.safetensors",
+                                                        "model.safetensors.index.json"]
+    for path in output.iterdir():
+        path.unlink()
     (tmp_path / ".text.partial-abc").mkdir()
     (tmp_path / ".text.partial-abc" / "model.safetensors").write_text("half written")
     code, err = run_oda(["text-model", source, output], capsys)
     assert code == 0, err
-    assert not (output / "model-00001-of-00002.safetensors").exists()
-    assert not (output / "model.safetensors.index.json").exists()
     assert not (tmp_path / ".text.partial-abc").exists()
     assert transformers.AutoTokenizer.from_pretrained(output).chat_template == processor_template   # the processor's
 
