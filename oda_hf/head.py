@@ -137,7 +137,7 @@ class RecallHeadConfig(PretrainedConfig):
             config = getattr(base, "config", base)
         if isinstance(base, nn.Module):
             kwargs.setdefault("base_fingerprint", base_fingerprint(base))
-        kwargs.setdefault("base_config_sha256", forward_config_fingerprint(config))
+        kwargs.setdefault("base_config_sha256", base_config_fingerprint(config))
         text = config.get_text_config(decoder=True)
         name = getattr(config, "_name_or_path", None) or (base if isinstance(base, str) else None)
         from .known_models import short_name_of  # a fetched base is recorded by its short name, not this machine's path
@@ -188,6 +188,18 @@ def base_fingerprint(model: nn.Module) -> str | None:
     return "sha256:" + digest.hexdigest()
 
 
+def head_fingerprint(head) -> str | None:
+    """SHA-256 of a recall head's weights (names, dtypes, shapes and bytes, in name order); None without a head."""
+    if head is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 #: Config fields that change what the base computes from the same weights (RoPE, windows, attention shape, norms,
 #: soft-capping, linear-attention shape): hidden states, gains and outputs hold for these values only.
 FORWARD_CONFIG_KEYS = (
@@ -200,16 +212,13 @@ FORWARD_CONFIG_KEYS = (
 )
 
 
-def base_config_fingerprint(model) -> str:
-    """SHA-256 of the base's `FORWARD_CONFIG_KEYS` (its weights are `base_fingerprint`'s): the same weights under
-    another RoPE scaling or sliding window compute other hidden states."""
+def base_config_fingerprint(model_or_config) -> str:
+    """SHA-256 of the `FORWARD_CONFIG_KEYS` of a base (a model, an `OdaForCausalLM`, or its config; its weights are
+    `base_fingerprint`'s): the same weights under another RoPE scaling or sliding window compute other hidden states."""
     from .modeling import OdaForCausalLM
 
-    return forward_config_fingerprint((model.base_model if isinstance(model, OdaForCausalLM) else model).config)
-
-
-def forward_config_fingerprint(config) -> str:
-    """`base_config_fingerprint` of a base's config."""
+    model = model_or_config.base_model if isinstance(model_or_config, OdaForCausalLM) else model_or_config
+    config = model.config if isinstance(model, nn.Module) else model
     values = config.get_text_config(decoder=True).to_dict()
     fields = {key: values[key] for key in FORWARD_CONFIG_KEYS if key in values}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
@@ -375,7 +384,7 @@ class RecallHead(PreTrainedModel):
 
     def _check_base_config(self, base_model: nn.Module) -> bool:
         recorded = getattr(self.config, "base_config_sha256", None)
-        if recorded is None or recorded == forward_config_fingerprint(base_model.config):
+        if recorded is None or recorded == base_config_fingerprint(base_model):
             return True
         logger.warning("This recall head was trained on these weights under another configuration (RoPE, windows, "
                        "norms or attention shape differ from the ones it recorded): its routing decisions may not "

@@ -479,7 +479,8 @@ def convert_gguf(gguf_path: str, output_dir: str) -> dict:
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     for name in os.listdir(output_dir):   # safetensors writes its file 0600 (mkstemp's mode): as the others, the umask
-        os.chmod(os.path.join(output_dir, name), published_mode())
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(output_dir, name), published_mode())
 
     reloaded = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32).eval()
     ids = tokenizer(CHECK_PROMPT, return_tensors="pt")["input_ids"]

@@ -29,7 +29,7 @@ from .architectures import NATIVE_MASK_BUILDERS, resolve_architecture
 from .cache import FULL, LOCAL, PREFILL, OdaCache, select_rows
 from .compat import CACHE_ARG, cache_kwargs
 from .config import CALIBRATION_NAME, ODA_CONFIG_NAME, ROUTING_KEYS, OdaConfig
-from .head import RecallHead, pop_push_kwargs, push_published
+from .head import RecallHead, head_fingerprint, pop_push_kwargs, push_published
 from .known_models import resolve_base, resolve_head
 from .loading import HEAD_MODEL_TYPE, HUB_KWARGS, read_model_type, resolve_local_folder
 from .packed_attention import packed_attention
@@ -176,14 +176,13 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         head.check_base_fingerprint(self.base_model)  # one warning if the head was trained on other weights
         _warn_other_geometry(head, self.oda_config)
         previous = self._modules.get("recall_head")
-        if previous is not None and self.oda_config.threshold != OdaConfig().threshold:
-            from .evaluation.runner import head_fingerprint
-
-            if head_fingerprint(previous) != head_fingerprint(head):   # a save would publish it for the new weights
-                logger.warning(f"The routing threshold {self.oda_config.threshold:g} was set with the previous recall "
-                               "head and stays: calibrate this head (`oda calibrate`) or set its own with "
-                               "set_routing(threshold=...).")
-        self.recall_head = head.to(device=self.device, dtype=torch.float32).eval()
+        head = head.to(device=self.device, dtype=torch.float32).eval()   # (both FP32: compared by their weights)
+        if previous is not None and self.oda_config.threshold != OdaConfig().threshold \
+                and head_fingerprint(previous) != head_fingerprint(head):   # a save would publish it for the new weights
+            logger.warning(f"The routing threshold {self.oda_config.threshold:g} was set with the previous recall "
+                           "head and stays: calibrate this head (`oda calibrate`) or set its own with "
+                           "set_routing(threshold=...).")
+        self.recall_head = head
 
     def _apply(self, fn, recurse: bool = True):
         """The path of `to()`, `half()`, `bfloat16()`, `float()`, `cuda()`...: the base model gets `fn`; the

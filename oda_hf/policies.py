@@ -185,15 +185,17 @@ class SchedulePolicy(RoutingPolicy):
 
 
 @functools.lru_cache(maxsize=256)
-def _decimal_ratio(rate: float) -> tuple[int, int]:
-    return Fraction(repr(rate)).as_integer_ratio()
+def _rate_ratio(rate: float) -> tuple[int, int]:
+    # The simplest fraction within 1e-12 denominators of the rate's shortest decimal: 0.29 is 29/100, 1/3 is 1/3.
+    return Fraction(repr(rate)).limit_denominator(10 ** 12).as_integer_ratio()
 
 
 def within_budget(calls: int, decided: int, rate: float) -> bool:
     """Whether one more Full call at a row's `decided`-th decided step (this one counted) keeps ``calls + 1 <= rate *
-    decided``: in integers, for the decimal `rate` is written as (in floats 0.29 * 100 is 28.999999999999996, and a
-    tolerance for that let a rate of 0.2499999999 reach 0.25)."""
-    numerator, denominator = _decimal_ratio(float(rate))
+    decided``, in integers for the fraction the rate stands for (`_rate_ratio`). In floats 0.29 * 100 is
+    28.999999999999996, a tolerance for that let a rate of 0.2499999999 reach 0.25, and 1/3's shortest decimal
+    denied the call of every third step."""
+    numerator, denominator = _rate_ratio(float(rate))
     return (calls + 1) * denominator <= numerator * decided
 
 

@@ -111,6 +111,7 @@ def test_the_budget_is_exact_for_the_decimal_rate_given():
     assert within_budget(28, 100, 0.29) and not within_budget(29, 100, 0.29)
     assert within_budget(0, 10, 0.1) and not within_budget(0, 9, 0.1)
     assert not within_budget(0, 10 ** 6, 0.0) and within_budget(10 ** 6 - 1, 10 ** 6, 1.0)
+    assert within_budget(0, 3, 1 / 3) and within_budget(1, 3, 2 / 3) and not within_budget(1, 5, 1 / 3)
     policy = BudgetPolicy(0.2499999999, threshold=-1.0)
     full = [bool(policy.decide(torch.ones(1), step, 1, "cpu")) for step in range(1, 41)]
     assert all(sum(full[:n]) <= 0.2499999999 * n for n in range(1, 41)) and sum(full) == 9

@@ -102,14 +102,14 @@ def test_within_full_rule_and_bad_requests(tmp_path):
     fallback = calibration.choose_threshold(sweep, full_score=85.0, tolerance=2.0)  # none within 2 points of 85
     assert fallback["threshold"] == 0.0 and not calibration.within_full_met(fallback, 85.0, 2.0)
     assert calibration.choose_for_rate(sweep, 0.5)["threshold"] == 0.5 and calibration.choose_for_rate(sweep, 0.1) is None
-    # exactly `tolerance` below Full's macro, which float sums put 4e-15 above 30 (found by an audit: refused, and the
-    # rule took the threshold at 80% Full calls)
+    # exactly `tolerance` below Full's macro, which float sums put 4e-15 above 20 (found by an audit: refused, and the
+    # rule took the threshold at 80% Full calls); 2e-9 short of it is not within
     full_macro = 100 * (0.2 + 0.2 + 0.2) / 3
     assert full_macro > 20.0
     close = [{"threshold": 0.0, "macro_score": 20.0, "pooled_full_call_rate": 0.8},
              {"threshold": 0.1, "macro_score": 15.0, "pooled_full_call_rate": 0.3}]
     assert calibration.choose_threshold(close, full_score=full_macro, tolerance=5.0)["threshold"] == 0.1
-    assert not calibration.within_full_met(close[1], full_score=full_macro, tolerance=4.99)
+    assert not calibration.within_full_met(close[1], full_score=full_macro, tolerance=5.0 - 2e-9)
 
 
 def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):

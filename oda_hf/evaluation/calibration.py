@@ -45,7 +45,7 @@ INPUTS_NAME = "calibration_inputs.json"
 
 def within_full_met(entry: dict, full_score: float, tolerance: float) -> bool:
     """Whether a sweep entry's macro score is within `tolerance` of Full's (the within-Full rule). Compared to 1e-9
-    points: macro scores are sums of floats (three cwe scores of 0.2 make Full's macro 30.000000000000004), and a
+    points: macro scores are sums of floats (three cwe scores of 0.2 average 20.000000000000004 points), and a
     score exactly `tolerance` below Full's was refused."""
     return entry["macro_score"] >= full_score - tolerance - 1e-9
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..head import head_fingerprint
 from ..compat import cache_kwargs
 from ..policies import BudgetPolicy, RandomPolicy, SchedulePolicy
 from .metrics import score_example, scorer_identity
@@ -292,16 +293,6 @@ def check_report_fields(records: Iterable[dict], where: str) -> None:
 MANIFEST_FORMAT = 1
 
 
-def head_fingerprint(head) -> str | None:
-    """SHA-256 of a recall head's weights (names, dtypes, shapes and bytes, in name order); None without a head."""
-    if head is None:
-        return None
-    digest = hashlib.sha256()
-    for name, tensor in sorted(head.state_dict().items()):
-        tensor = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def prompt_fingerprint(input_ids: Sequence[int]) -> str:
@@ -324,14 +315,28 @@ def run_settings(model, chat_template: bool = False) -> dict:
     }
 
 
+#: What greedy decoding reads from a generation config besides the output cap (named, not every field: the others'
+#: defaults change with transformers versions, and a new default would refuse a folder that nothing changed).
+GREEDY_GENERATION_KEYS = (
+    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "min_length", "min_new_tokens",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values",
+    "guidance_scale", "watermarking_config", "stop_strings", "token_healing", "max_time",
+)
+
+
 def generation_fingerprint(model, tokenizer) -> str:
-    """SHA-256 of what greedy decoding reads from the model's generation config (`greedy_config`: EOS, pad, logits
-    processors such as a repetition penalty), the output cap aside: another generation_config.json gives other
-    outputs from the same weights."""
-    fields = greedy_config(model, tokenizer, 1).to_diff_dict()
-    for key in ("transformers_version", "_from_model_config", "max_new_tokens", "max_length"):   # (metadata, cap)
-        fields.pop(key, None)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+    """SHA-256 of what greedy decoding reads from the model's generation config (`greedy_config`, its
+    `GREEDY_GENERATION_KEYS`): another generation_config.json gives other outputs from the same weights."""
+    config = greedy_config(model, tokenizer, 1)
+    fields = {key: getattr(config, key, None) for key in GREEDY_GENERATION_KEYS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=_config_value).encode()).hexdigest()
+
+
+def _config_value(value):
+    """A JSON form of a generation-config value JSON lacks (a watermarking config: its fields, not its address)."""
+    return value.to_dict() if hasattr(value, "to_dict") else str(value)
 
 
 #: Settings recorded since a later oda_hf: a manifest or record written before lacks them, and they are not compared

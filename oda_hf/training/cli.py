@@ -328,7 +328,7 @@ def _data_source(args):
         raise UsageError(str(err)) from err
     for key in SETTING_DEFAULTS:
         given, cached = getattr(args, key), cache.manifest.get(key)   # (caches of an older oda_hf: no seq_len)
-        if given is not None and given != cached:   # given and unused, it would look applied
+        if given is not None and cached is not None and given != cached:   # given and unused, it would look applied
             flag = "--" + key.replace("_", "-")
             raise UsageError(f"{flag} {given} differs from the cache's {key} {cached}: a cache fixes s, w, "
                              f"tau_hist and the rows' length. Drop {flag} or cache again with the new value.")

@@ -52,7 +52,7 @@ from ..files import publish_files, staging_folder
 from ..known_models import short_name_of
 from ..head import HEAD_WEIGHT_FILES
 from ..head import uncalibrated_routing
-from ..head import base_fingerprint as weights_fingerprint, forward_config_fingerprint
+from ..head import base_config_fingerprint, base_fingerprint as weights_fingerprint
 from ..validation import MAX_SPAN, integer, number
 from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
@@ -279,7 +279,7 @@ class OdaTrainer(Trainer):
         # The weights the head learns to read: `for_base` records them only when given a loaded model (a head made
         # from the base's name held none, so using it on another base went unnoticed).
         head_config.base_fingerprint = weights_fingerprint(model.base_model)
-        head_config.base_config_sha256 = forward_config_fingerprint(model.base_model.config)
+        head_config.base_config_sha256 = base_config_fingerprint(model)
         base_path = getattr(model.config, "_name_or_path", None) or None
         base_name = short_name_of(base_path) or base_path  # a fetched base by its short name, not this machine's path
         head_config.base_model_name_or_path = head_config.base_model_name_or_path or base_name
@@ -298,7 +298,6 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
-        from ..head import base_config_fingerprint
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
@@ -376,17 +375,12 @@ class OdaTrainer(Trainer):
             self._eligible_since_log = 0
         super().log(logs, *args, **kwargs)
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """`evaluate()` / `predict()`: the training loss over every eligible position of the set, pooled. (The stock
         loop averaged each batch's own mean over rows: the number changed with the eval batch size, a batch without an
-        eligible position counted as a loss of 0, and a set without any scored a perfect 0.)"""
+        eligible position counted as a loss of 0, and a set without any scored a perfect 0.) Under data parallelism
+        the positions of a last batch padded by repetition count twice."""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.args.device)   # loss sum, eligible positions
@@ -397,12 +391,15 @@ class OdaTrainer(Trainer):
             with torch.no_grad():
                 losses = model(**{key: inputs[key] for key in self.model_inputs if key in inputs})["losses"]
             total += torch.stack([losses.double().sum(), torch.tensor(float(losses.numel()), device=total.device)])
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         if self.args.world_size > 1:
             total = self.accelerator.gather(total[None]).sum(dim=0)
         if int(total[1]) == 0:
             raise ValueError(self._no_supervision_message(f"the {metric_key_prefix} data"))
         metrics = {f"{metric_key_prefix}_loss": float(total[0] / total[1]),
                    f"{metric_key_prefix}_eligible_tokens": int(total[1])}
+        dataset = getattr(dataloader, "dataset", None)   # (every process's samples, for the speed metrics)
+        samples = len(dataset) if hasattr(dataset, "__len__") else samples * self.args.world_size
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -421,9 +418,9 @@ class OdaTrainer(Trainer):
         if resume_from_checkpoint and not any(os.path.isfile(os.path.join(resume_from_checkpoint, name))
                                               for name in ("optimizer.pt", "optimizer.bin")):
             # (transformers would resume with a fresh optimizer and warm-up, the head going on as another run)
-            raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): it "
-                             "cannot be resumed as the same run. Start a new output folder, or train on from its head "
-                             "as a new run.")
+            raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): "
+                             "it cannot be resumed as the same run. Start a new output folder, or train on from its "
+                             "head as a new run.")
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
         # the checkpoint's updates had some; data without any is refused before training, `_check_supervision`)
@@ -466,9 +463,16 @@ class OdaTrainer(Trainer):
             return None
         self._load_from_checkpoint(checkpoint)
         self.state = state
-        if self.args.load_best_model_at_end and state.best_model_checkpoint \
-                and os.path.isdir(state.best_model_checkpoint):   # as the finished run ended: with its best head
-            self._load_best_model()
+        if self.args.load_best_model_at_end and state.best_model_checkpoint:   # as the finished run ended: its best
+            # (found beside this checkpoint: the path recorded is where the run was, and the folder may have moved)
+            best = os.path.join(os.path.dirname(os.path.abspath(checkpoint)),
+                                os.path.basename(state.best_model_checkpoint))
+            if os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+                self._load_best_model()
+            else:
+                logger.warning(f"{checkpoint}'s run ended with its best head from {best}, which is gone: this is its "
+                               "last head, not its best.")
         logger.info("%s already holds all %d updates: nothing left to train.", checkpoint, planned)
         return TrainOutput(state.global_step, 0.0, {})
 
