@@ -177,8 +177,9 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         _warn_other_geometry(head, self.oda_config)
         previous = self._modules.get("recall_head")
         head = head.to(device=self.device, dtype=torch.float32).eval()   # (both FP32: compared by their weights)
+        # (a save would publish that threshold with the new weights)
         if previous is not None and self.oda_config.threshold != OdaConfig().threshold \
-                and head_fingerprint(previous) != head_fingerprint(head):   # a save would publish it for the new weights
+                and head_fingerprint(previous) != head_fingerprint(head):
             logger.warning(f"The routing threshold {self.oda_config.threshold:g} was set with the previous recall "
                            "head and stays: calibrate this head (`oda calibrate`) or set its own with "
                            "set_routing(threshold=...).")
