@@ -687,6 +687,9 @@ def test_an_eval_cache_of_another_window_is_refused(setup, tmp_path):
     OdaCacheTrainer(model, args, cache=tmp_path / "same", eval_dataset=SupervisionCacheDataset(tmp_path / "same"))
     with pytest.raises(ValueError, match="window"):
         OdaCacheTrainer(model, args, cache=tmp_path / "same", eval_dataset=SupervisionCacheDataset(tmp_path / "other"))
+    trainer = OdaCacheTrainer(model, args, cache=tmp_path / "same")
+    with pytest.raises(ValueError, match="window"):   # given to evaluate() instead
+        trainer.evaluate(SupervisionCacheDataset(tmp_path / "other"))
 
 
 def test_new_weights_saved_over_a_calibrated_head_drop_its_calibration(setup, tmp_path):

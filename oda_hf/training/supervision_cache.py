@@ -476,10 +476,7 @@ class OdaCacheTrainer(OdaTrainer):
         sinks = model.oda_config.sinks if args.oda_sinks is None else args.oda_sinks
         window = model.oda_config.window if args.oda_window is None else args.oda_window
         self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
-        evaluation = kwargs.get("eval_dataset")   # (a cache of another base or window gave an eval loss, exit 0)
-        for dataset in evaluation.values() if isinstance(evaluation, dict) else [evaluation]:
-            if isinstance(dataset, SupervisionCacheDataset):
-                dataset.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
+        self._check_eval_caches(kwargs.get("eval_dataset"), model, sinks, window, args.oda_tau_hist)
         kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache))
         kwargs.setdefault("data_collator", CachedSupervisionCollator())
         # Which rows the head learns from: resuming on other caches (other documents or --seq-len) is another run.
@@ -491,6 +488,18 @@ class OdaCacheTrainer(OdaTrainer):
 
     def count_eligible(self, batch: dict) -> int:
         return int(batch["gains"].numel())
+
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
+        self._check_eval_caches(eval_dataset, self.oda_model, self.oda_sinks, self.oda_window, self.args.oda_tau_hist)
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    @staticmethod
+    def _check_eval_caches(evaluation, model, sinks: int, window: int, tau_hist: float) -> None:
+        """Eval caches must fit the model as the training cache does (one of another base or window gave an eval
+        loss, exit 0)."""
+        for dataset in evaluation.values() if isinstance(evaluation, dict) else [evaluation]:
+            if isinstance(dataset, SupervisionCacheDataset):
+                dataset.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=tau_hist)
 
 
 # -- command line ------------------------------------------------------------------------------------
