@@ -35,7 +35,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
@@ -189,10 +188,12 @@ def stock_step(model, kind: str, length: int, max_length: int, history, device: 
         forward = torch.compile(model, dynamic=False, mode=mode)
     else:
         forward = model
-    positions = itertools.count(length)
+    cache_position = torch.tensor([length - 1], device=device)
 
     def step(token):  # cache_position as a tensor, as generate() passes it: no recompilation per step
-        cache_position = torch.tensor([next(positions)], device=device)
+        # advanced on the device, as generate() does (a host-built tensor per step made each stock step wait for the
+        # GPU, which the engine arms never do)
+        cache_position.add_(1)
         return forward(input_ids=token, past_key_values=cache, cache_position=cache_position, use_cache=True).logits
 
     return step
