@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -194,7 +195,7 @@ class ModelShape:
           state decay, beta and the gate are elementwise and not counted;
         * MLP: gate, up and down ``3 * d * ffn`` (Gemma4: doubled ffn on KV-shared layers with
           ``use_double_wide_mlp``; with ``enable_moe_block`` plus the router ``d * E`` and
-          ``top_k`` experts of ``3 * d * moe_ffn``);
+          ``top_k`` experts of ``3 * d * moe_ffn``; `UNGATED_MLP` types: up and down ``2 * d * ffn``);
         * Gemma4 per-layer inputs: ``2 * d * p`` per layer and ``d * L * p`` once per token.
         """
         config = _load_config(config)
@@ -286,6 +287,10 @@ class ModelShape:
         return f"{self.name}: {len(self.layers)} layers ({layout}), hidden {self.hidden_size}, vocab {self.vocab_size}"
 
 
+#: Sizes a config file should give: transformers' class defaults (e.g. Llama's 11008-wide MLP) count otherwise.
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 def _load_config(config):
     """A text-decoder `PretrainedConfig` from a config, a dict or a path."""
     from transformers import AutoConfig, PretrainedConfig
@@ -307,7 +312,15 @@ def _load_config(config):
         model_type = config.pop("model_type", None)
         if model_type is None:
             raise ValueError("The config has no 'model_type', so its architecture cannot be identified.")
-        config = AutoConfig.for_model(model_type, **config)
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        defaulted = [key for key in SIZE_KEYS if key not in text]
+        if defaulted:   # (a loaded model would get them too, but a hand-written file usually means to give them)
+            logging.getLogger(__name__).warning(
+                f"The config gives no {', '.join(defaulted)}: transformers' {model_type} defaults are counted.")
+        try:
+            config = AutoConfig.for_model(model_type, **config)
+        except Exception as err:   # (huggingface_hub's strict-dataclass errors are not ValueErrors)
+            raise ValueError(f"The config does not make a {model_type} config: {err}") from None
     if not isinstance(config, PretrainedConfig):
         raise TypeError(f"Expected a transformers config, a dict or a path; got {type(config).__name__}.")
     return config.get_text_config(decoder=True)
@@ -354,9 +367,15 @@ def _gated_deltanet_macs(layer_config) -> int:
     return projections + conv + state
 
 
+#: Model types whose MLP is two matrices (up, down) with no gate.
+UNGATED_MLP = frozenset({"gpt_neox", "phi", "starcoder2"})
+
+
 def _mlp_macs(config, layer_config, model_type, kv_shared) -> int:
     d = config.hidden_size
     ffn = layer_config.intermediate_size
+    if model_type in UNGATED_MLP:   # (counted as gated, these were 1.5x too many MLP multiply-adds)
+        return 2 * d * ffn
     if model_type == "gemma4_text":
         if getattr(config, "use_double_wide_mlp", False) and kv_shared:
             ffn *= 2

@@ -143,10 +143,22 @@ def _gated_deltanet_macs(model) -> int:
     return total
 
 
-@pytest.mark.parametrize("family", FAMILIES + ["gemma4_moe"])
+def _ungated(model_type):
+    """Families with a two-matrix MLP (found by an audit: counted as gated, 1.33x the backbone's FLOPs)."""
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=512)
+    config = {"gpt_neox": lambda: transformers.GPTNeoXConfig(**common, rotary_pct=0.5),
+              "starcoder2": lambda: transformers.Starcoder2Config(**common, num_key_value_heads=2,
+                                                                  sliding_window=None)}[model_type]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4_moe", "gpt_neox", "starcoder2"])
 def test_step_costs_match_brute_force_count(family):
     """One decode token: every nn.Linear (hooks), MoE experts (hook), eager attention products (bmm)."""
-    model = _tiny(family)
+    model = _ungated(family) if family in ("gpt_neox", "starcoder2") else _tiny(family)
     shape = ModelShape.from_config(model.config)
     prompt = 12  # longer than the tiny sliding window (5), so sliding layers are clamped
     backbone, output = [], []
@@ -360,3 +372,18 @@ def test_cli_rejects_bad_schedules_and_mismatched_heads(tmp_path, capsys):
     head_config.write_text(json.dumps({"hidden_size": 32}))
     with pytest.raises(UsageError, match="the head reads hidden size 32"):
         _run(["--head-config", str(head_config)], capsys)
+
+
+def test_a_config_file_missing_sizes_is_named_and_a_malformed_one_is_one_error(tmp_path, caplog):
+    """Found by an audit: a config file without intermediate_size was counted with Llama's default 11008 (FLOPs 5.6x
+    too high), silently; a string where a number belongs raised a raw strict-dataclass traceback."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "vocab_size": 97}))
+    with caplog.at_level("WARNING"):
+        ModelShape.from_config(str(path))
+    assert "gives no intermediate_size" in caplog.text
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": "128",
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 97}))
+    with pytest.raises(ValueError, match="does not make a llama config"):
+        ModelShape.from_config(str(path))
