@@ -1008,6 +1008,9 @@ def _head_shape(path: str) -> dict:
     head = _read_head_config(path)
     if not isinstance(head, dict):
         raise ValueError(f"{path} must hold a JSON object; got {type(head).__name__}.")
+    if head.get("model_type", "oda_recall_head") != "oda_recall_head":   # (a model's config.json: default width)
+        raise ValueError(f"{path} is not a recall head's config (model_type {head.get('model_type')!r}, not "
+                         "'oda_recall_head'): give the head folder's config.json to --head-config.")
     checked = {}
     for key, minimum in (("hidden_size", 1), ("head_width", 1), ("sinks", 0), ("window", 1)):
         if head.get(key) is not None:

@@ -387,3 +387,12 @@ def test_a_config_file_missing_sizes_is_named_and_a_malformed_one_is_one_error(t
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 97}))
     with pytest.raises(ValueError, match="does not make a llama config"):
         ModelShape.from_config(str(path))
+
+
+def test_a_model_config_given_as_head_config_is_refused(tmp_path, capsys):
+    """Found by an audit: a model's config.json given to --head-config was read, its hidden size matched, and the
+    default head width and geometry were counted, exit 0."""
+    model_config = tmp_path / "config.json"
+    model_config.write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    with pytest.raises(UsageError, match="is not a recall head's config .*'llama'"):
+        _run(["--head-config", str(model_config)], capsys)
