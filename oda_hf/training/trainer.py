@@ -357,9 +357,13 @@ class OdaTrainer(Trainer):
             return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def _forward(self, model, inputs: dict) -> dict:
+        """The training module on a batch's model inputs: per-token Huber losses of its eligible positions."""
+        return model(**{key: inputs[key] for key in self.model_inputs if key in inputs})
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro, update, num_micro = inputs.pop(MICRO_COUNT, None), inputs.pop(UPDATE_COUNT, None), inputs.pop(NUM_MICRO, None)
-        outputs = model(**{key: inputs[key] for key in self.model_inputs if key in inputs})
+        outputs = self._forward(model, inputs)
         losses = outputs["losses"]
         if micro is None:  # outside the training loop: this batch's own eligible-token mean
             loss = losses.sum() / max(losses.numel(), 1)
@@ -389,7 +393,7 @@ class OdaTrainer(Trainer):
             inputs = self._prepare_inputs(inputs)
             samples += find_batch_size(inputs) or 0
             with torch.no_grad():
-                losses = model(**{key: inputs[key] for key in self.model_inputs if key in inputs})["losses"]
+                losses = self._forward(model, inputs)["losses"]
             total += torch.stack([losses.double().sum(), torch.tensor(float(losses.numel()), device=total.device)])
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         if self.args.world_size > 1:
