@@ -64,10 +64,17 @@ def test_request_knobs(extra, expected):
     ({"odaPolicy": "local"}, "Unknown ODA request key.*'odaPolicy'"),   # was served with the engine's default
     ({"oda.threshold": 0.5}, "Unknown ODA request key"),
     ({"OdaThreshold": 0.5}, "Unknown ODA request key"),
+    ({"odaPolciy": "local"}, "Unknown ODA request key.*'odaPolciy'"),   # was served with the engine's default
+    ({"odaTreshold": 0.5}, "Unknown ODA request key"),
 ])
 def test_bad_request_knobs_name_the_value(extra, message):
     with pytest.raises(ValueError, match=message):
         request_routing(extra, DEFAULT)
+
+
+@pytest.mark.parametrize("key", ["odata", "odometer", "odaMode", "oda"])
+def test_other_plugins_keys_beginning_with_oda_are_not_odas(key):
+    assert request_routing({key: 1}, DEFAULT) == DEFAULT
 
 
 def test_misspelled_knobs_are_refused_at_admission():

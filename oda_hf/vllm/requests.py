@@ -14,6 +14,7 @@ engine keeps serving the others. The worker parses the same values with the same
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections import OrderedDict
@@ -86,12 +87,15 @@ def parse_policy(text, threshold: float) -> RequestRouting:
 
 def is_oda_key(key) -> bool:
     """Whether a request's extra-args key is meant for ODA: ``oda_...`` in any case, with stray spaces or dashes, or a
-    knob's name in another spelling (``odaPolicy``, ``oda.threshold``: JSON clients camel-case)."""
+    knob's name in another spelling (``odaPolicy``, ``oda.threshold``: JSON clients camel-case), misspelled too
+    (``odaPolciy``, ``odaTreshold``: at least 80% alike once squashed, as other plugins' keys are not)."""
     if not isinstance(key, str):
         return False
     squashed = re.sub(r"[\W_]", "", key.lower())
-    return (key.strip().lower().replace("-", "_").startswith("oda_")
-            or squashed.startswith(("odapolicy", "odathreshold")))
+    if key.strip().lower().replace("-", "_").startswith("oda_") or squashed.startswith(("odapolicy", "odathreshold")):
+        return True
+    return squashed.startswith("oda") and any(
+        difflib.SequenceMatcher(None, squashed, knob).ratio() >= 0.8 for knob in ("odapolicy", "odathreshold"))
 
 
 def request_routing(extra_args: dict | None, default: RequestRouting,
