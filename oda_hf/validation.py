@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,9 +97,12 @@ def parse_float(text: str) -> float:
     try:
         if "_" in text:
             raise ValueError
-        return float(text.strip())
+        value = float(text.strip())
     except ValueError:
         raise ValueError(f"must be a number; got {text!r}.") from None
+    if value == 0.0 and re.search(r"[1-9]", re.split(r"[eE]", text)[0]):   # 1e-400: read as 0, a different knob
+        raise ValueError(f"must be a number a float can hold; {text!r} is too small (it would be read as 0).")
+    return value
 
 
 def argument(check: Callable, name: str = "value", **bounds) -> Callable[[str], object]:

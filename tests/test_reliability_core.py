@@ -93,6 +93,7 @@ def test_argument_errors_are_argparse_errors(converter, text, fragment):
 @pytest.mark.parametrize("text,kind,params", [
     ("head", "head", {}), ("full", "full", {}), ("local", "local", {}), (" local ", "local", {}),
     ("random:0.25", "random", dict(p=0.25, seed=42)), ("random:1:7", "random", dict(p=1.0, seed=7)),
+    ("random:0.0e-999", "random", dict(p=0.0)),
     ("schedule:2:16", "schedule", dict(k=2, period=16)), ("schedule:0:1", "schedule", dict(k=0, period=1)),
 ])
 def test_policy_text(text, kind, params):
@@ -106,7 +107,7 @@ def test_policy_text(text, kind, params):
     ("random:nan", "finite"), ("random:1.5", "<= 1"), ("random:0.5:-1", ">= 0"), ("random:0.5:1.5", "integer"),
     ("schedule:2.9:3", "must be an integer; got '2.9'"), ("schedule:2:3.5", "integer"),
     ("schedule:3:2", "<= 2"), ("schedule:1:0", "PERIOD` must be an integer >= 1"), ("schedule:1", "unknown"),
-    ("", "unknown policy ''"),
+    ("", "unknown policy ''"), ("random:1e-400", "too small (it would be read as 0)"),   # was Local, silently
 ])
 def test_bad_policy_text(text, fragment):
     with pytest.raises(ValueError, match=None) as info:

@@ -155,6 +155,8 @@ BAD = [
     ("eval-schedule-fraction", EVAL + GOOD + ["--policies", "schedule:2.9:3"], "bad policy 'schedule:2.9:3'"),
     ("eval-schedule-underscore", EVAL + GOOD + ["--policies", "schedule:1:1_0"], "bad policy 'schedule:1:1_0'"),
     ("eval-random-underscore", EVAL + GOOD + ["--policies", "random:0_1"], "bad policy 'random:0_1'"),
+    ("eval-random-underflow", EVAL + GOOD + ["--policies", "random:1e-400"], "bad policy 'random:1e-400'"),
+    ("eval-thresholds-underflow", EVAL + GOOD + ["--thresholds", "1e-400"], "too small (it would be read as 0)"),
     ("eval-primary-not-run", EVAL + GOOD + ODA + ["--primary-threshold", "0.7"],
      "--primary-threshold 0.7 is not among the ODA thresholds of this run (0)"),
     ("eval-primary-without-oda", EVAL + GOOD + ["--primary-threshold", "0"], "--policies runs no ODA"),
