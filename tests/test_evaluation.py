@@ -425,6 +425,24 @@ def test_diagnostics_analysis_and_report(tmp_path):
     assert os.path.getsize(paths["budget_curve"]) > 1000
 
 
+def test_diagnostics_count_the_resamples_behind_an_auroc_interval():
+    """A resample holding positions of one sign has no AUROC; the interval over the others was reported with no word
+    that it rests on fewer resamples than the report's count."""
+    model = oda_model("qwen3")
+    records = [diagnostics.reference_gains(model, torch.randint(3, VOCAB, (16,), generator=torch.Generator()
+                                                                .manual_seed(seed)).tolist(), history="full")
+               for seed in range(2)]
+    for record, sign in zip(records, (1.0, -1.0)):   # one document all positive, the other all negative
+        record.full_logp = record.local_logp + sign * (0.1 + np.abs(record.gains))
+    result = diagnostics.analyze(records, n_resamples=60, seed=3, progress=False)
+    documents = diagnostics.Pooled.of(records).documents
+    draws = stats.paired_bootstrap(documents, lambda rows: {"n": np.array(len(set(rows)))}, 60, 3, False)["n"]
+    both = result["subsets"]["all"]["resamples_with_both_classes"]
+    assert 0 < both < 60 and both == int(np.sum(draws > 9))   # resamples drawing both documents (9 positions each)
+    assert (f"AUROC and AP intervals are over the resamples that hold positions of both signs, fewer than 60 in: "
+            f"All {both}") in diagnostics.markdown(result)
+
+
 def test_diagnostics_say_what_they_could_not_score():
     """A sequence within s + w + 1 tokens has no eligible position and a start past a sequence's end none either:
     both were dropped with exit 0 and the report counted only the rest."""

@@ -427,7 +427,9 @@ def analyze(records: Sequence[ReferencePositions], *, budgets: Sequence[float] =
         mask = pooled.subset(subset)
         g = gains[mask]
         entry = {"positions": int(mask.sum()), "positive_fraction": float((g > 0).mean()) if len(g) else float("nan"),
-                 "methods": {}, "differences": {}}
+                 "methods": {}, "differences": {},
+                 # AUROC/AP intervals are over the resamples whose positions hold both signs (NaN elsewhere)
+                 "resamples_with_both_classes": int(np.sum(~np.isnan(samples[f"{subset}/{methods[0]}/auroc"])))}
         for method in methods + ["oracle", "random"]:
             curve = point[f"{subset}/{method}/curve"].tolist()
             curve_ci = interval(samples[f"{subset}/{method}/curve"])
@@ -498,6 +500,11 @@ def markdown(result: dict) -> str:
         positive = "n/a" if math.isnan(entry["positive_fraction"]) else f"{100 * entry['positive_fraction']:.1f}%"
         lines.append(f"| {SUBSET_TITLES[subset]} | {entry['positions']} | {positive} | "
                      + " | ".join(cells) + " |")
+    short = [f"{SUBSET_TITLES[subset]} {entry['resamples_with_both_classes']}"
+             for subset, entry in result["subsets"].items() if entry.get("resamples_with_both_classes", result["n_resamples"]) < result["n_resamples"]]
+    if short and result["n_resamples"]:
+        lines += ["", f"AUROC and AP intervals are over the resamples that hold positions of both signs, fewer than "
+                  f"{result['n_resamples']} in: {', '.join(short)}."]
     lines += ["", "## Average precision", "", "| Subset | " + " | ".join(f"{METHODS[m]} AP" for m in methods) + " |",
               "|---|" + "---|" * len(methods)]
     for subset in SUBSETS:
