@@ -35,6 +35,15 @@ def _fsync_folder(folder: str) -> None:
 
 
 def _umask() -> int:
+    """The process umask. Linux shows it in /proc; elsewhere it is set and restored, and a file another thread creates
+    in that instant gets mode 0666."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

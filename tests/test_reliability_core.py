@@ -396,6 +396,21 @@ def test_a_safetensors_file_written_through_atomic_path_follows_the_umask(tmp_pa
     assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o644
 
 
+def test_the_umask_is_read_without_being_changed(monkeypatch):
+    """Reading it by setting it to 0 and back let a file another thread created in that instant come out 0666."""
+    from oda_hf import files
+
+    old = os.umask(0o027)
+    try:
+        if not os.path.exists("/proc/self/status"):
+            pytest.skip("no /proc: the umask is read by setting it")
+        monkeypatch.setattr(files.os, "umask", lambda mask: pytest.fail("the umask was changed to read it"))
+        assert files.published_mode() == 0o640
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+
+
 def test_an_output_lock_is_gone_after_a_failed_block_too(tmp_path):
     """A command refused inside its lock left `.oda.lock` in the folder (oda text-model's 'nothing kept' kept it)."""
     from oda_hf.files import output_lock
