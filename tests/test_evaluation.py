@@ -459,6 +459,26 @@ def test_diagnostics_say_what_they_could_not_score():
     assert "(1 more sequences had none: at most s + w + 1 tokens)" in diagnostics.markdown(result)
 
 
+def test_diagnostics_warn_of_positions_written_before_the_config_fingerprint(tmp_path, caplog):
+    """Positions written before they recorded the base's config fingerprint were reused with no word (oda eval
+    warns of its records alike): a config.json changed since would go unseen."""
+    model = oda_model("qwen3")
+    documents = [{"id": "doc0", "input_ids": list(range(4, 20))}]
+    path = tmp_path / "positions.jsonl"
+    diagnostics.collect_reference_gains(model, documents, output_path=path, history="full", count=4, progress=False)
+    with caplog.at_level("WARNING", logger="oda_hf"):
+        diagnostics.collect_reference_gains(model, documents, output_path=path, history="full", count=4,
+                                            progress=False)
+    assert "written before" not in caplog.text
+    data = json.loads(path.read_text())
+    del data["settings"]["base_config_sha256"]
+    path.write_text(json.dumps(data) + "\n")
+    with caplog.at_level("WARNING", logger="oda_hf"):
+        again = diagnostics.collect_reference_gains(model, documents, output_path=path, history="full", count=4,
+                                                    progress=False)
+    assert f"{path} was written before oda_hf recorded base_config_sha256" in caplog.text and len(again[0]) == 4
+
+
 def test_diagnostics_keep_one_run_per_positions_file(tmp_path):
     """New documents computed with another geometry into a positions file are refused, and a file that mixes runs
     anyway (written by hand, or by an older oda_hf) is refused on reading, so no analysis pools them."""

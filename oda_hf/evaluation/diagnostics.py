@@ -299,7 +299,7 @@ def collect_reference_gains(model, documents: Sequence[dict], *, output_path: st
     not recomputed (resumable) when they were computed with the same settings (`_position_settings`; otherwise an
     error naming the differences). A document's own ``start``/``count`` override the defaults.
     """
-    from .runner import _differences, append_jsonl, read_appended_jsonl, run_settings
+    from .runner import _differences, append_jsonl, read_appended_jsonl, run_settings, warn_unrecorded
 
     model_settings = run_settings(model)
     done: dict[str, dict] = {}
@@ -309,12 +309,13 @@ def collect_reference_gains(model, documents: Sequence[dict], *, output_path: st
         if documents:
             _check_one_run(list(done.values()), _position_settings(model, model_settings, documents[0], history,
                                                                    count, threshold), output_path)
-    results = []
+    results, reused = [], []
     for document in tqdm(documents, desc="reference sequences", disable=not progress):
         settings = _position_settings(model, model_settings, document, history, count, threshold)
         data = done.get(document["id"])
         if data is not None:
             saved = data.get("settings")
+            reused.append(saved or {})
             if saved is None:  # written before positions carried their settings: compare what they have
                 meta = data.get("meta", {})
                 saved = {**settings, "history": data.get("history"), "sinks": meta.get("sinks"),
@@ -336,6 +337,8 @@ def collect_reference_gains(model, documents: Sequence[dict], *, output_path: st
         if output_path is not None:
             append_jsonl(output_path, {**record.to_dict(), "settings": settings})
         results.append(record)
+    if reused:
+        warn_unrecorded(output_path, reused, model_settings)
     return results
 
 

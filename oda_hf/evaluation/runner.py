@@ -412,7 +412,12 @@ def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
         raise ValueError(
             f"{results_path} was generated with other settings ({path}): " + "; ".join(differences)
             + ". Records of different settings must not mix: write to a new output folder (--out).")
-    unrecorded = [key for key in LATER_KEYS if key in settings and key not in saved]
+    warn_unrecorded(path, [saved], settings)
+
+
+def warn_unrecorded(path, saved: Iterable[dict], settings: dict) -> None:
+    """Warn once if settings `saved` with records reused now lack `LATER_KEYS` that `settings` holds."""
+    unrecorded = sorted({key for old in saved for key in LATER_KEYS if key in settings and key not in old})
     if unrecorded:
         logger.warning(f"{path} was written before oda_hf recorded {', '.join(unrecorded)}: its records are reused "
                        "without checking those (a change of the base's config.json or generation_config.json since "
