@@ -770,6 +770,28 @@ def test_runs_split_by_task_merge_into_one(tmp_path):
         runner.merge_results(merged, [tmp_path / "other" / "results.jsonl"])
 
 
+def test_a_merge_into_an_older_folder_warns_of_what_it_cannot_check(tmp_path, caplog):
+    """A destination written before the fingerprints were recorded took a newer source's records with no word, where
+    every other reuse of such a folder warns."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    suite = _suite(n_per_task=2)
+    for part, task in (("a", "niah_single_1"), ("b", "qa_1")):
+        runner.evaluate(model, tokenizer, [e for e in suite if e.task == task], [runner.full()],
+                        tmp_path / part / "results.jsonl", progress=False)
+    with caplog.at_level("WARNING", logger="oda_hf"):
+        runner.merge_results(tmp_path / "a" / "results.jsonl", [tmp_path / "b" / "results.jsonl"])
+    assert "written before" not in caplog.text
+    manifest_path = tmp_path / "a" / "results.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["settings"]["base_config_sha256"]
+    manifest_path.write_text(json.dumps(manifest))
+    (tmp_path / "a" / "results.jsonl").write_text("")
+    with caplog.at_level("WARNING", logger="oda_hf"):
+        assert runner.merge_results(tmp_path / "a" / "results.jsonl", [tmp_path / "b" / "results.jsonl"]) == 2
+    assert (f"{manifest_path} was written before oda_hf recorded base_config_sha256: {tmp_path / 'b' / 'results.jsonl'}"
+            "'s records are merged without checking those against it.") in caplog.text
+
+
 def test_merge_keeps_the_matched_random_records_drawn_at_the_current_rate(tmp_path):
     """The split workflow: folder b starts as a copy of a, each redraws the matched control of its own tasks
     over more prompts; the merge must keep, per pair, the record at ODA's rate over the merged records."""

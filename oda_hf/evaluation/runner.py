@@ -473,6 +473,10 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
         if not os.path.exists(source_manifest):
             raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
         check_manifest(source_manifest, settings, source)
+        newer = [key for key in LATER_KEYS if key in read_manifest_settings(source_manifest) and key not in settings]
+        if newer:
+            logger.warning(f"{manifest_path} was written before oda_hf recorded {', '.join(newer)}: {source}'s "
+                           "records are merged without checking those against it.")
         loaded.append((source, ResultsFile(source, repair=False)))
         check_report_fields(loaded[-1][1].records.values(), source)
     # Before anything is appended: an example id must be the same prompt and output cap in every file, and be
