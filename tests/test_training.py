@@ -324,6 +324,19 @@ def test_empty_update_is_skipped_and_empty_dataset_rejected(tmp_path):
 
     short = OdaTrainer(model=oda_model("qwen3", head=True), args=_args(tmp_path, max_steps=1),
                        train_dataset=PackedDataset(_rows([4, 6, 5])))
+    # The logged loss is the applied update's: Trainer's mean over both counted the skipped one's zero
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(), "position_ids": list(range(n))}
+            for n in (5, 14)]
+    losses = {}
+    for name, data, steps in (("with a skipped update", rows, 2), ("its applied update alone", rows[1:], 1)):
+        trainer = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=PackedDataset(data),
+                             args=_args(tmp_path, max_steps=steps, logging_steps=steps, learning_rate=1e-2))
+        output = trainer.train()
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert len(logged) == 1 and logged[0]["skipped_updates"] == (steps == 2)
+        losses[name] = (logged[0]["loss"], trainer.state.log_history[-1]["train_loss"], output.training_loss)
+    assert losses["with a skipped update"] == pytest.approx(losses["its applied update alone"], rel=1e-6)
     with pytest.raises(ValueError, match="No eligible position"):
         short.train()
     with pytest.raises(ValueError, match="bf16"):

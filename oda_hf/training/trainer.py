@@ -17,7 +17,8 @@ What differs from a stock Trainer:
 * An update whose pooled count is zero is skipped on every process: no forward or backward, the
   optimizer sees no gradient (so it changes nothing) and the LR scheduler does not advance; as with
   an AMP overflow skip, ``global_step`` still counts it. `skipped_updates` / `applied_updates` count
-  both kinds, and every training log line carries ``eligible_tokens`` and ``skipped_updates``.
+  both kinds, and every training log line carries ``eligible_tokens`` and ``skipped_updates``; its
+  ``loss`` (and ``train_loss``) is the mean over the updates applied, which a skipped one's zero would lower.
   Training data with no eligible position at all raises ``ValueError``.
 * Checkpoints hold the head only (``model.safetensors`` + ``config.json`` via
   `RecallHead.save_pretrained`, plus ``oda_config.json``); resuming loads them back into the head.
@@ -251,6 +252,14 @@ class _SkipAwareScheduler:
         return getattr(self.__dict__["scheduler"], name)
 
 
+def _over_applied(loss: float, updates: int, skipped: int) -> float:
+    """A logged loss (Trainer's sum over `updates` divided by their number) as the mean over the updates applied: a
+    skipped one adds a zero loss to the sum (NaN when none was applied)."""
+    if not skipped:
+        return loss
+    return loss * updates / (updates - skipped) if updates > skipped else float("nan")
+
+
 class OdaTrainer(Trainer):
     """Trains `model.recall_head` of an `OdaForCausalLM` on paired supervision (see the module docstring)."""
 
@@ -298,6 +307,7 @@ class OdaTrainer(Trainer):
         self.applied_updates = 0
         self._skip_update = False
         self._eligible_since_log = 0
+        self._updates_since_log = self._skipped_since_log = self._skipped_before_train = 0
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
@@ -341,6 +351,8 @@ class OdaTrainer(Trainer):
             batch[MICRO_COUNT], batch[UPDATE_COUNT], batch[NUM_MICRO] = count, total, len(batch_samples)
         self._skip_update = bool(batch_samples) and int(total) == 0
         self._eligible_since_log += int(total)
+        self._updates_since_log += bool(batch_samples)
+        self._skipped_since_log += self._skip_update
         if self._skip_update:
             self.skipped_updates += 1
             logger.warning(f"Update {self.state.global_step + 1} has no eligible position (no sequence longer than "
@@ -374,10 +386,17 @@ class OdaTrainer(Trainer):
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # a training log line: add the supervision it came from
+            logs["loss"] = _over_applied(logs["loss"], self._updates_since_log, self._skipped_since_log)
             logs["eligible_tokens"] = self._eligible_since_log
             logs["skipped_updates"] = self.skipped_updates
-            self._eligible_since_log = 0
+            self._eligible_since_log = self._updates_since_log = self._skipped_since_log = 0
+        if "train_loss" in logs:   # the end of train(): over this call's updates
+            logs["train_loss"] = self._train_loss(logs["train_loss"])
         super().log(logs, *args, **kwargs)
+
+    def _train_loss(self, value: float) -> float:
+        steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
+        return _over_applied(value, steps, self.skipped_updates - self._skipped_before_train)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval") -> EvalLoopOutput:
@@ -425,7 +444,9 @@ class OdaTrainer(Trainer):
             raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): "
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
+        self._skipped_before_train, self._updates_since_log, self._skipped_since_log = self.skipped_updates, 0, 0
         output = super().train(resume_from_checkpoint, *args, **kwargs)
+        output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
         # the checkpoint's updates had some; data without any is refused before training, `_check_supervision`)
         if not resume_from_checkpoint and self.state.global_step > 0 and self.applied_updates == 0 \
