@@ -507,6 +507,18 @@ def test_the_eval_loss_is_the_pooled_training_loss_whatever_the_batch_size(tmp_p
         assert metrics["eval_eligible_tokens"] == losses.numel()
     with pytest.raises(ValueError, match="No eligible position in the eval data"):
         trainer.evaluate(_rows([5, 6, 4], seed=9))
+    # Training that evaluates such a set is refused before its first update (it failed at the first evaluation)
+    for eval_dataset, what in ((_rows([5, 6, 4], seed=9), "the eval dataset"),
+                               ({"long": evaluation, "short": _rows([5], seed=9)}, "the eval dataset 'short'")):
+        args = _trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
+        evaluating = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),
+                                eval_dataset=eval_dataset, args=args)
+        with pytest.raises(ValueError, match=f"No eligible position in {what} \\("):
+            evaluating.train()
+        assert evaluating.state.global_step == 0
+    unevaluated = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),
+                             eval_dataset=_rows([5], seed=9), args=_trainer_args(tmp_path, max_steps=1))
+    unevaluated.train()   # not evaluated while training: not checked
 
 
 def test_resume_needs_the_optimizer_state_and_keeps_the_optimizer_settings(tmp_path):

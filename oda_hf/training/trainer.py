@@ -45,7 +45,8 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import find_batch_size
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput, rotate_checkpoints
+from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, EvalLoopOutput, IntervalStrategy, TrainOutput,
+                                      rotate_checkpoints)
 from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from ..config import CALIBRATION_NAME, OdaConfig
@@ -581,13 +582,17 @@ class OdaTrainer(Trainer):
                 "sequences or a smaller window.")
 
     def _check_supervision(self) -> None:
-        dataset = self.train_dataset
-        if dataset is None or not hasattr(dataset, "__len__"):
-            return  # iterable data: checked after training (every update skipped -> error)
-        for i in range(len(dataset)):  # stops at the first row with supervision
-            if self.count_eligible(self.data_collator([dataset[i]])):
-                return
-        raise ValueError(self._no_supervision_message(f"the training dataset ({len(dataset)} rows)"))
+        """Data without one eligible position is refused before training: the training set (else every update is
+        skipped) and, when training evaluates, each eval set (else the first evaluation fails mid-run)."""
+        named = [("the training dataset", self.train_dataset)]
+        if self.args.eval_strategy != IntervalStrategy.NO and self.eval_dataset is not None:
+            evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+            named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data) for key, data in evals.items()]
+        for what, dataset in named:
+            if dataset is None or not hasattr(dataset, "__len__"):
+                continue  # iterable data: checked as it is read (every update skipped, an empty evaluation -> error)
+            if not any(self.count_eligible(self.data_collator([dataset[i]])) for i in range(len(dataset))):
+                raise ValueError(self._no_supervision_message(f"{what} ({len(dataset)} rows)"))
 
     # -- head-only checkpoints ------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
