@@ -377,6 +377,47 @@ def test_a_preempted_request_never_resumes_from_another_requests_prompt_blocks(g
     assert resumed["routing"]["decisions"] == reference["routing"]["decisions"]
 
 
+# Loaded by every process of the engine below (on its path): tensor-parallel rank 1's head scores moved by +10, as if
+# its copy of the head had rounded otherwise; each time it is, a line goes to the file named by ODA_TEST_SKEWED.
+SKEW_RANK_ONE = """
+import os
+from oda_hf.head import RecallHead
+forward = RecallHead.forward
+def skewed(self, *args, **kwargs):
+    from vllm.distributed import get_tensor_model_parallel_rank
+    scores = forward(self, *args, **kwargs)
+    if get_tensor_model_parallel_rank() != 1:
+        return scores
+    with open(os.environ["ODA_TEST_SKEWED"], "a") as f:
+        f.write("skewed\\n")
+    return scores + 10.0
+RecallHead.forward = skewed
+"""
+
+
+def test_tensor_parallel_ranks_route_as_rank_zero_decides(gqa3, tmp_path):
+    """With tensor_parallel_size=2, each rank runs the head and the Full pass after it is a collective. An audit that
+    moved rank 1's scores got a hang, or wrong tokens with exit 0 (rank 1 ran Full for rows rank 0 ran Local):
+    every rank now takes rank 0's decisions, so the engine serves what one rank serves."""
+    hook = tmp_path / "skew"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SKEW_RANK_ONE)
+    skewed = tmp_path / "skewed.txt"
+    names = ["head", "budget", "mixed"]
+    results = run_vllm(tmp_path, "tp2", os.path.dirname(gqa3["head"]), [gqa3["batches"][name] for name in names],
+                       oda={"head": gqa3["head"], "sinks": SINKS, "window": WINDOW}, one_process=False,
+                       tensor_parallel_size=2, distributed_executor_backend="mp", python_path=(str(hook),),
+                       env={"ODA_TEST_SKEWED": str(skewed), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=400,
+                       **EAGER)
+    assert skewed.exists() and len(skewed.read_text().split()) >= 10   # rank 1's head did run, skewed
+    for name, result in zip(names, results):
+        for ours, one_rank in zip(result["outputs"], gqa3["oda"][name]["outputs"], strict=True):
+            assert ours["tokens"] == one_rank["tokens"], name
+            assert ours["routing"]["decisions"] == one_rank["routing"]["decisions"], name
+    decisions = [d for result in results for row in result["outputs"] for d in row["routing"]["decisions"]]
+    assert 0 < sum(decisions) < len(decisions)   # the head chose both ways: rank 1's scores (+10) would be all Full
+
+
 def test_speculative_decoding_is_refused_at_engine_start(tmp_path):
     """Measured before the check (ngram speculation, 2 draft tokens, policy local): of 20 tokens only 9 were routed;
     the verification steps ran as prompt chunks, with Full attention and no record. An engine built by hand (no

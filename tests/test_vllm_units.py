@@ -1148,3 +1148,24 @@ def test_the_server_refuses_a_responses_request_id_that_reads_as_a_sample():
     assert refusal({"prompt": "x", "request_id": "7_foo"}, "/v1/completions") is None   # its ids are prefixed
     assert sample_index("7_foo-1a2b3c4d") == 7 and sample_index("cmpl-7_foo-0-1a2b3c4d") == 0
     assert State(RequestRouting("random", p=0.5, seed=3), sample=0).generator.initial_seed() == 3
+
+
+def test_tensor_parallel_ranks_take_rank_zeros_head_decisions():
+    """Each rank ran the head on its own copy and acted on its own decisions before the Full pass, a collective: an
+    audit that moved rank 1's scores got a hang, or wrong tokens with exit 0. Rank 0's decisions now go to all."""
+    from oda_hf.vllm.requests import rank_zeros_decisions
+
+    class Group:   # vLLM's GroupCoordinator as seen by one rank: broadcast writes rank 0's tensor into the input
+        def __init__(self, world_size, rank_zero=None):
+            self.world_size, self.rank_zero = world_size, rank_zero
+
+        def broadcast(self, tensor, src=0):
+            assert src == 0 and tensor.dtype == torch.uint8
+            tensor.copy_(self.rank_zero)
+            return tensor
+
+    rank_zero, rank_one = torch.tensor([True, False, True]), torch.tensor([True, True, False])
+    zero_flags = rank_zero.to(torch.uint8)
+    assert rank_zeros_decisions(rank_one, Group(2, zero_flags)).tolist() == [True, False, True]
+    assert rank_zeros_decisions(rank_zero, Group(2, zero_flags)).tolist() == [True, False, True]
+    assert rank_zeros_decisions(rank_one, Group(1)) is rank_one   # one rank: nothing sent

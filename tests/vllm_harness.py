@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 import pytest
@@ -86,9 +87,13 @@ def vllm_has_torchvision() -> bool:
 
 
 def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | None, torchvision: bool = False,
-             one_process: bool = True, sessions: list | None = None, **engine) -> list:
+             one_process: bool = True, sessions: list | None = None, python_path: tuple = (), env: dict | None = None,
+             timeout: int = 900, **engine) -> list:
     """`torchvision`: the model's vLLM module imports torchvision (Qwen3.5); without a working one in the vLLM
     environment, the test stand-in `tests/vllm_stubs` is put on the path (see its README).
+
+    `python_path`: more folders on the engine processes' path (e.g. a `sitecustomize.py` that changes them); `env`:
+    more environment variables.
 
     `sessions`: streaming-input sessions instead of `batches` (see `vllm_driver.py`).
 
@@ -99,15 +104,25 @@ def run_vllm(tmp_path, name: str, model_folder: str, batches: list, oda: dict | 
             "one_process": one_process, **({"sessions": sessions} if sessions is not None else {})}
     spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    path = [REPO]
+    path = [*python_path, REPO]
     if torchvision and not vllm_has_torchvision():
         path.append(os.path.join(REPO, "tests", "vllm_stubs"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_driver.py"), str(spec_path),
-                           str(out_path)], env=env, capture_output=True, text=True, timeout=900)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)   # vLLM logs a worker's failure on stdout
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(path)}
+    # In a session of its own: a hung engine is killed whole at the timeout, its engine core and workers with it
+    # (subprocess.run kills the driver alone, and the orphans went on taking the CPU)
+    proc = subprocess.Popen([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_driver.py"), str(spec_path),
+                             str(out_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        (tmp_path / f"{name}.log").write_text(stdout + stderr)
+        raise AssertionError(f"vLLM driver hung: killed after {timeout} s:\n{stderr[-6000:]}") from None
+    (tmp_path / f"{name}.log").write_text(stdout + stderr)   # vLLM logs a worker's failure on stdout
     if proc.returncode != 0:
-        raise AssertionError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"vLLM driver failed ({proc.returncode}):\n{stderr[-6000:]}")
     return json.loads(out_path.read_text())
 
 

@@ -30,7 +30,7 @@ import contextlib
 import torch
 
 from .attention import LocalPlan, check_prefix_caching, local_plan, oda_attention_impl_class, routed_layers
-from .requests import replay_flags
+from .requests import rank_zeros_decisions, replay_flags
 from .settings import ServingSettings, check_engine_features
 
 
@@ -184,7 +184,7 @@ class OdaCausalLMMixin:
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
         thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
-        asks = ((scores > thresholds) | ~torch.isfinite(scores)).tolist()
+        asks = rank_zeros_decisions((scores > thresholds) | ~torch.isfinite(scores)).tolist()
         recall = [ask and state.within_budget() for ask, state in zip(asks, states)]  # budget: calls within the rate
         for state, score, full in zip(states, scores.tolist(), recall):
             state.record(bool(full), score)

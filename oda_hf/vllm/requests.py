@@ -490,3 +490,22 @@ def pooled(requests: dict, evicted: dict | None = None) -> dict:
     totals = {name: sum(v[name] for v in requests.values()) + (evicted or {}).get(name, 0) for name in COUNTS}
     full, decided = totals["full_calls"], totals["decided_steps"]
     return {"requests": requests, **totals, "pooled_full_call_rate": full / decided if decided else 0.0}
+
+
+def rank_zeros_decisions(asks: "torch.Tensor", group=None) -> "torch.Tensor":
+    """The head's decisions of tensor-parallel rank 0, on every rank of the group (vLLM's TP group by default).
+
+    Each rank runs the head on its own copy of the hidden states, and the Full pass that follows is a collective
+    (its layers all-reduce): ranks that decided otherwise, for a score at the threshold that rounding put on either
+    side, would hang or mix Full and Local rows into wrong tokens. Identical on one rank."""
+    if group is None:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    if group.world_size == 1:
+        return asks
+    import torch
+
+    flags = asks.to(torch.uint8)
+    group.broadcast(flags, src=0)
+    return flags.bool()
