@@ -292,23 +292,23 @@ def cost_models(name: str, sinks: int, window: int, dtype: torch.dtype, bandwidt
     return ledger, BatchCostModel(ledger, hardware, weight_bytes=size, kv_bytes=size)
 
 
-def step_decisions(method: str, steps: int) -> list[bool] | None:
-    """Full (True) or Local per measured step (the `steps` after a warm-up segment of as many: the schedule counts
-    from the warm-up's first step); None for stock arms (a plain Full step)."""
+def step_decisions(method: str, steps: int, warmup: int) -> list[bool] | None:
+    """Full (True) or Local per measured step (the `steps` after `warmup` warm-up steps: the schedule counts from the
+    warm-up's first step); None for stock arms (a plain Full step)."""
     from oda_hf.cost import schedule_first_k
 
     path, routing = METHODS[method]
     if path == "native":
         return None
     if isinstance(routing, int):
-        return schedule_first_k(routing, PERIOD, 2 * steps)[steps:]
+        return schedule_first_k(routing, PERIOD, warmup + steps)[warmup:]
     return [routing == "full"] * steps
 
 
-def limit_seconds(method: str, length: int, steps: int, bytes_model) -> float:
+def limit_seconds(method: str, length: int, steps: int, warmup: int, bytes_model) -> float:
     """Mean seconds per measured step at the bandwidth limit (the history grows by one per step)."""
-    decisions = step_decisions(method, steps)
-    lengths = [length + steps + t for t in range(steps)]  # after the warm-up segment of `steps` steps
+    decisions = step_decisions(method, steps, warmup)
+    lengths = [length + warmup + t for t in range(steps)]  # after the warm-up steps
     if decisions is None or METHODS[method][1] == "full":
         costs = [bytes_model.full_step([n]) for n in lengths]
     elif METHODS[method][1] == "local":
@@ -318,15 +318,16 @@ def limit_seconds(method: str, length: int, steps: int, bytes_model) -> float:
     return sum(c.seconds for c in costs) / steps
 
 
-def predicted_ratio(method: str, length: int, steps: int, ledger) -> float:
+def predicted_ratio(method: str, length: int, steps: int, warmup: int, ledger) -> float:
     """FLOPs ratio native-Full / method over the measured steps, from the analytical ledger."""
-    decisions = step_decisions(method, steps)
+    decisions = step_decisions(method, steps, warmup)
     if decisions is None or METHODS[method][1] == "full":
         return 1.0
-    full = ledger.sequence_flops("full", length, steps)
+    start = length + warmup   # the history when the measured steps begin
+    full = ledger.sequence_flops("full", start, steps)
     if METHODS[method][1] == "local":
-        return full / ledger.sequence_flops("local", length, steps)
-    return full / ledger.sequence_flops("oda", length, decisions)
+        return full / ledger.sequence_flops("local", start, steps)
+    return full / ledger.sequence_flops("oda", start, decisions)
 
 
 def job_order(lengths: list[int], methods: list[str], rounds: int) -> list[tuple[int, str, int]]:
@@ -462,8 +463,9 @@ def main(argv=None) -> int:
                    "ms_per_token": 1000 / statistics.median(throughput),
                    "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
                    "warmup_s": [r["warmup_s"] for r in results],
-                   "limit_ms": 1000 * limit_seconds(method, length, measured_steps, bytes_model),
-                   "predicted": predicted_ratio(method, length, measured_steps, ledger)}
+                   # (one warm-up segment of args.steps steps before the measured ones)
+                   "limit_ms": 1000 * limit_seconds(method, length, measured_steps, args.steps, bytes_model),
+                   "predicted": predicted_ratio(method, length, measured_steps, args.steps, ledger)}
             if "full_call_rate" in results[0]:
                 row["full_call_rate"] = results[0]["full_call_rate"]
             rows.append(row)

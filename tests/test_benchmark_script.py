@@ -48,6 +48,27 @@ def test_decode_benchmark_rounds_alternate_the_order_after_the_stock_arm():
     assert len(jobs) == 18
 
 
+def test_decode_benchmark_counts_one_warm_up_segment_at_any_runs():
+    """The limit, the FLOPs ratio and the decisions behind them took the warm-up to be as long as all the measured
+    segments (`--steps` x `--runs`), where it is one segment: wrong numbers with exit 0 at --steps 8 --runs 2."""
+    spec = importlib.util.spec_from_file_location("decode_throughput", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    # schedule 2 of 16 from the warm-up's first step: measured steps 9-24 after 8 warm-up steps; Full at 17 and 18
+    assert script.step_decisions("oda-12.5", 16, 8) == [False] * 8 + [True, True] + [False] * 6
+    assert script.step_decisions("streamingllm", 16, 8) == [False] * 16
+
+    class Ledger:   # records where each sum of FLOPs starts
+        starts = []
+
+        def sequence_flops(self, method, start, schedule):
+            self.starts.append(start)
+            return 1
+
+    script.predicted_ratio("oda-12.5", 100, 16, 8, Ledger())
+    assert Ledger.starts == [108, 108]   # after the 8 warm-up steps
+
+
 def test_retry_and_window_benchmark_tiny_end_to_end(tmp_path):
     script = os.path.join(os.path.dirname(SCRIPT), "retry_and_window.py")
     done = subprocess.run(
