@@ -556,6 +556,10 @@ def test_a_finished_run_resumed_with_load_best_model_at_end_gives_its_best_head(
     trainer.train()
     best = {k: v.clone() for k, v in model.recall_head.state_dict().items()}
     assert trainer.state.best_model_checkpoint and not trainer.state.best_model_checkpoint.endswith("checkpoint-6")
+    # the saved head's card names the best checkpoint's update count (it said the last step's, 6)
+    trainer.save_model(str(tmp_path / "final"))
+    best_step = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
+    assert f", {best_step} updates (the best checkpoint of 6)." in (tmp_path / "final" / "README.md").read_text()
     again = oda_model("qwen3", head=True)
     OdaTrainer(model=again, args=_trainer_args(tmp_path, **settings), train_dataset=data,
                eval_dataset=evaluation).train(resume_from_checkpoint=True)

@@ -309,6 +309,7 @@ class OdaTrainer(Trainer):
         self._skip_update = False
         self._eligible_since_log = 0
         self._updates_since_log = self._skipped_since_log = self._skipped_before_train = 0
+        self._best_loaded_step = None   # the update count of a best checkpoint loaded at the end (`_load_best_model`)
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
@@ -446,6 +447,7 @@ class OdaTrainer(Trainer):
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
         self._skipped_before_train, self._updates_since_log, self._skipped_since_log = self.skipped_updates, 0, 0
+        self._best_loaded_step = None
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
@@ -604,7 +606,9 @@ class OdaTrainer(Trainer):
         head = self.oda_model.recall_head
         training = (f"Trained with oda_hf's OdaTrainer: paired supervision, lambda={self.args.oda_lambda}, "
                     f"tau_hist={self.args.oda_tau_hist}, reduction={self.args.oda_loss_reduction}, "
-                    f"s={self.oda_sinks}, w={self.oda_window}, {self.state.global_step} updates.")
+                    f"s={self.oda_sinks}, w={self.oda_window}, " + (
+                        f"{self.state.global_step} updates." if self._best_loaded_step is None else
+                        f"{self._best_loaded_step} updates (the best checkpoint of {self.state.global_step})."))
         # Every file is written into a staging folder and published with config.json last: a run killed while
         # saving leaves the previous head (or none), never a mix or a 0-byte config.json.
         staging = staging_folder(output_dir)
@@ -702,3 +706,6 @@ class OdaTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         self._load_head(self.state.best_model_checkpoint)
+        # the head now holds the best checkpoint's weights: a save names its update count, not the last step's
+        self._best_loaded_step = TrainerState.load_from_json(
+            os.path.join(self.state.best_model_checkpoint, TRAINER_STATE_NAME)).global_step
