@@ -6,9 +6,11 @@ preemption, chunked prefill, LoRA, the OpenAI-compatible server. The hybrids (Ge
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 
 import pytest
@@ -235,9 +237,10 @@ def test_qwen_families_with_chunked_prefill(tmp_path, family):
             assert ours["routing"]["decisions"] == routing.decisions[0].tolist()
 
 
-def test_openai_server_with_oda(gqa3, tmp_path):
-    """`oda serve` on loopback, driven through the official openai client: completions, streaming, chat, routing
-    records in responses, on /v1/oda/routing and /metrics, and bad requests answered 400 while serving goes on."""
+@contextlib.contextmanager
+def oda_server(tmp_path, head: str, *vllm_flags: str, env: dict | None = None):
+    """`oda serve` of the model beside `head` on a free loopback port (yielded once /health answers), eager, with
+    `vllm_flags` for vLLM; stopped, its processes with it, on leaving."""
     import socket
     import time
     import urllib.request
@@ -245,17 +248,14 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    folder = os.path.dirname(gqa3["head"])
     oda = os.path.join(os.path.dirname(VLLM_PYTHON), "oda")
     log = open(tmp_path / "serve.log", "w")
-    # eager: the fixture's first engine runs the compiled model; the server's own compile would add a minute here
-    server = subprocess.Popen([oda, "serve", "--base", folder, "--head", gqa3["head"], "--sinks", str(SINKS),
+    server = subprocess.Popen([oda, "serve", "--base", os.path.dirname(head), "--head", head, "--sinks", str(SINKS),
                                "--window", str(WINDOW), "--port", str(port), "--", "--max-model-len", "1024",
-                               "--block-size", "32", "--seed", "0", "--enforce-eager", "--api-key", "secret",
-                               "--root-path", "/api", "--allowed-origins", '["http://example.com"]',
-                               "--enable-request-id-headers"],
+                               "--block-size", "32", "--seed", "0", "--enforce-eager", *vllm_flags],
                               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
-                                   "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+                                   **(env or {}), "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     try:
         deadline = time.time() + 300
         while True:
@@ -266,15 +266,28 @@ def test_openai_server_with_oda(gqa3, tmp_path):
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
                 assert time.time() < deadline, "the server did not come up in 300 s"
                 time.sleep(2)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_openai_server_with_oda(gqa3, tmp_path):
+    """`oda serve` on loopback, driven through the official openai client: completions, streaming, chat, routing
+    records in responses, on /v1/oda/routing and /metrics, and bad requests answered 400 while serving goes on."""
+    folder = os.path.dirname(gqa3["head"])
+    # eager: the fixture's first engine runs the compiled model; the server's own compile would add a minute here
+    with oda_server(tmp_path, gqa3["head"], "--api-key", "secret", "--root-path", "/api", "--allowed-origins",
+                    '["http://example.com"]', "--enable-request-id-headers") as port:
         ids = gqa3["long"][5]
         proc = subprocess.run([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_client.py"), str(port), folder,
                                json.dumps(ids)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         seen = json.loads(proc.stdout)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     offline = gqa3["oda"]["local"]["outputs"][5]["tokens"][:10]
     assert seen["completion"]["text"].split() == [f"w{t}" for t in offline]
     routing = next(iter(seen["completion"]["routing"]["requests"].values()))
@@ -335,6 +348,37 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert next(iter(listed["requests"].values()))["policy"] == "local"
     status, (found, listed) = seen["responses_by_id"]   # the Responses API's "<id>_0" found by its id
     assert status == found == 200 and [r["policy"] for r in listed["requests"].values()] == ["local"], listed
+
+
+def test_data_parallel_servers_keep_the_records_of_every_engine(gqa3, tmp_path):
+    """With --data-parallel-size 2 the requests the second engine served had no oda_routing, a 404 from
+    /v1/oda/routing and no place in /metrics (HTTP 200 all the same): the records were read from the first engine
+    only. One request pinned to each engine."""
+    import urllib.request
+
+    def call(port, path, body=None, rank=None):
+        headers = {"Content-Type": "application/json", **({} if rank is None else {"X-data-parallel-rank": rank})}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers,
+                                         data=None if body is None else json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=300) as response:
+            text = response.read().decode()
+            return json.loads(text) if body is not None or path.startswith("/v1") else text
+
+    folder = os.path.dirname(gqa3["head"])
+    with oda_server(tmp_path, gqa3["head"], "--data-parallel-size", "2",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as port:
+        served = []
+        for rank, policy in ((0, "full"), (1, "local")):
+            body = {"model": folder, "prompt": gqa3["long"][5], "max_tokens": 10, "temperature": 0,
+                    "ignore_eos": True, "vllm_xargs": {"oda_policy": policy}}
+            served.append(call(port, "/v1/completions", body, rank=str(rank)))
+        listed = [call(port, f"/v1/oda/routing?request_id={response['id']}") for response in served]
+        metrics = call(port, "/metrics")
+    for response, listed_one, policy, full in zip(served, listed, ("full", "local"), (9, 0)):
+        record = next(iter(response["oda_routing"]["requests"].values()))
+        assert (record["policy"], record["routed_steps"], record["full_calls"]) == (policy, 9, full)
+        assert next(iter(listed_one["requests"].values()))["decisions"] == record["decisions"]
+    assert "oda_routed_steps_total 18" in metrics and "oda_full_calls_total 9" in metrics
 
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):

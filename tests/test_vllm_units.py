@@ -1169,3 +1169,46 @@ def test_tensor_parallel_ranks_take_rank_zeros_head_decisions():
     assert rank_zeros_decisions(rank_one, Group(2, zero_flags)).tolist() == [True, False, True]
     assert rank_zeros_decisions(rank_zero, Group(2, zero_flags)).tolist() == [True, False, True]
     assert rank_zeros_decisions(rank_one, Group(1)) is rank_one   # one rank: nothing sent
+
+
+def test_the_server_reads_the_records_of_every_data_parallel_engine(monkeypatch):
+    """With --data-parallel-size 2, vLLM's collective_rpc answers with the first engine's records: the requests the
+    other engine served had no oda_routing, a 404 from /v1/oda/routing and no place in /metrics, with HTTP 200 (an
+    audit's server). Every engine is asked now, its first worker's records taken."""
+    import asyncio
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import FinishedRecords, packed
+    from oda_hf.vllm.runner import OdaRunnerMixin
+    from oda_hf.vllm.server import _metrics_totals, _stats
+
+    monkeypatch.setattr(requests_module, "_RETURNED", OrderedDict())
+    engines = []
+    for rank, (rid, policy, steps) in enumerate([("cmpl-a-0-1a2b3c4d", "full", 7), ("cmpl-b-0-5e6f7a8b", "local", 4)]):
+        runner = object.__new__(OdaRunnerMixin)
+        runner.oda_states, runner.oda_finished = {}, FinishedRecords()
+        runner.oda_finished.evicted = {"full_calls": rank, "decided_steps": 3, "routed_steps": 3}
+        state = RequestState(RequestRouting(policy))
+        for _ in range(steps):
+            state.record(policy == "full")
+        runner.oda_finished.add(rid, packed(state.summary()))
+        engines.append(runner)
+
+    async def call_utility_all_async(method, name, timeout, args, kwargs):   # one answer per engine: its TP workers'
+        assert (method, name) == ("collective_rpc", "oda_routing_stats")
+        return [[engine.oda_routing_stats(**(kwargs or {}))] * 2 for engine in engines]
+
+    async def collective_rpc(name, kwargs=None):   # vLLM's: the first engine's only
+        return [engines[0].oda_routing_stats(**(kwargs or {}))]
+
+    core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"], call_utility_all_async=call_utility_all_async)
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(collective_rpc=collective_rpc,
+                                                                              engine_core=core)))
+    found = asyncio.run(_stats(app, "cmpl-b"))["requests"]
+    assert list(found) == ["cmpl-b-0-5e6f7a8b"] and found["cmpl-b-0-5e6f7a8b"]["decisions"] == [False] * 4
+    total = asyncio.run(_metrics_totals(app))
+    assert (total["full_calls"], total["decided_steps"], total["routed_steps"]) == (7 + 0 + 1, 7 + 4 + 6, 7 + 4 + 6)
+    core.core_engines = [b"\x00\x00"]   # one engine: read as before
+    assert list(asyncio.run(_stats(app))["requests"]) == ["cmpl-a-0-1a2b3c4d"]

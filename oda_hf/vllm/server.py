@@ -51,10 +51,29 @@ def _guarded_prefixes() -> tuple[str, ...]:
 
 
 async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
-    """The engine's routing stats: records keyed by engine request id (those of `response_id` alone, if given), and
-    `evicted` counts; `kwargs`: the worker's other filters (`engine_ids`, `details`)."""
+    """The engines' routing stats: records keyed by engine request id (those of `response_id` alone, if given), and
+    `evicted` counts; `kwargs`: the worker's other filters (`engine_ids`, `details`).
+
+    With data parallelism every engine is asked (vLLM's `collective_rpc` answers with the first engine's result: the
+    requests another engine served had no record, with HTTP 200) and their stats merged (`merged_stats`); of each
+    engine, its first tensor-parallel worker's (every rank keeps the same records)."""
     kwargs = {**kwargs, **({} if response_id is None else {"response_id": response_id})}
-    return (await app.state.engine_client.collective_rpc("oda_routing_stats", kwargs=kwargs or None))[0]
+    client = app.state.engine_client
+    core = getattr(client, "engine_core", None)
+    if len(getattr(core, "core_engines", None) or ()) > 1 and hasattr(core, "call_utility_all_async"):
+        per_engine = await core.call_utility_all_async("collective_rpc", "oda_routing_stats", None, (), kwargs or None)
+        return merged_stats([workers[0] for workers in per_engine])
+    return (await client.collective_rpc("oda_routing_stats", kwargs=kwargs or None))[0]
+
+
+def merged_stats(per_engine: list) -> dict:
+    """The routing stats of several engines as one, as one worker gives them (`oda_routing_stats`: totals over the
+    records, `evicted` apart); engine request ids are unique across engines."""
+    from .requests import COUNTS, pooled
+
+    records = {rid: record for stats in per_engine for rid, record in stats["requests"].items()}
+    evicted = {name: sum((stats.get("evicted") or {}).get(name, 0) for stats in per_engine) for name in COUNTS}
+    return {**pooled(records), "evicted": evicted}
 
 
 def returned_steps(records: dict) -> dict:
