@@ -69,6 +69,12 @@ class RoutingPolicy(ABC):
         return f"{type(self).__name__}()"
 
 
+def head_asks(scores: torch.Tensor, threshold) -> torch.Tensor:
+    """The head's rule, on every path (Transformers, the static engine, vLLM): Full where the score is above the
+    threshold (a score equal to it stays Local) or not finite (NaN, +-inf); `threshold` a number or a tensor."""
+    return (scores > threshold) | ~torch.isfinite(scores)
+
+
 class HeadPolicy(RoutingPolicy):
     """The learned recall head: Full when ``q > threshold`` or ``q`` is not finite. ``threshold=None`` takes the
     routing threshold (`OdaConfig.threshold`, a head's calibrated one); used on its own, 0."""
@@ -92,14 +98,10 @@ class HeadPolicy(RoutingPolicy):
         return resolved
 
     def decide(self, scores, step, batch_size, device):
-        return self._rule(scores, 0.0 if self.threshold is None else self.threshold)
+        return head_asks(scores, 0.0 if self.threshold is None else self.threshold)
 
     def decide_on_device(self, scores, step, batch_size, device, threshold):
-        return self._rule(scores, threshold)
-
-    @staticmethod
-    def _rule(scores: torch.Tensor, threshold) -> torch.Tensor:
-        return (scores > threshold) | ~torch.isfinite(scores)
+        return head_asks(scores, threshold)
 
     def __repr__(self) -> str:
         return f"HeadPolicy(threshold={self.threshold})"
@@ -242,7 +244,7 @@ class BudgetPolicy(RoutingPolicy):
             self._decided = torch.zeros(batch_size, dtype=torch.long)
         decided = torch.ones(batch_size, dtype=torch.bool) if self._in_window is None else ~self._in_window.cpu()
         self._decided += decided.long()
-        asks = HeadPolicy._rule(scores.detach().float().cpu(), self.threshold)
+        asks = head_asks(scores.detach().float().cpu(), self.threshold)
         allowed = torch.tensor([within_budget(calls, n, self.rate) for calls, n in
                                 zip(self._calls.tolist(), self._decided.tolist())], dtype=torch.bool)
         full = asks & allowed & decided

@@ -115,6 +115,48 @@ def test_engine_matches_hf_path_across_the_window(policy):
     assert torch.allclose(hf.scores, engine.routing.scores, atol=1e-5, equal_nan=True)
 
 
+def _engine_and_hf_path(model, new=10):
+    ids, mask = left_padded_prompts(2, 5, pads=(3, 0))
+    reference, hf = generate(model, ids, mask, new=new), model.routing
+    engine = OdaStaticEngine(model, max_length=5 + new, batch_size=2, bucket_size=8)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return reference, hf, got, engine.routing
+
+
+def test_engine_reads_the_routing_threshold():
+    """Every engine test ran at the default threshold 0: an engine that filled its threshold with 0 whatever was
+    asked passed them all (a mutation audit). At a threshold inside the scores' range both paths split alike."""
+    model = make("head")
+    _, first, _, _ = _engine_and_hf_path(model)
+    decided = first.scores[~first.in_window]
+    threshold = float(decided.median())
+    model.set_routing(threshold=threshold)
+    reference, hf, got, engine = _engine_and_hf_path(model)
+    assert torch.equal(reference.sequences, got.sequences) and torch.equal(hf.decisions, engine.decisions)
+    asked = hf.decisions[~hf.in_window]
+    assert asked.any() and not asked.all() and not torch.equal(asked, decided > 0)   # not threshold 0's split
+
+
+def test_a_score_equal_to_the_threshold_stays_local_on_every_path():
+    """The rule is score > threshold: a head scoring exactly the threshold routes Local on the HF path, the engine and
+    the vLLM plugin (`head_asks`); a non-finite score goes Full. No test held a tie (a mutation audit: `>=` passed)."""
+    from oda_hf.policies import head_asks
+
+    model = make("head")
+    with torch.no_grad():
+        model.recall_head.score.weight.zero_()
+        model.recall_head.score.bias.fill_(0.5)
+    for threshold, full in ((0.5, False), (float(torch.nextafter(torch.tensor(0.5), torch.tensor(0.0))), True)):
+        model.set_routing(threshold=threshold)
+        reference, hf, got, engine = _engine_and_hf_path(model)
+        assert torch.equal(reference.sequences, got.sequences) and torch.equal(hf.decisions, engine.decisions)
+        assert (hf.decisions[~hf.in_window] == full).all() and (hf.scores[~hf.in_window] == 0.5).all()
+    scores = torch.tensor([0.5, 0.25, 0.75, float("nan"), float("inf"), -float("inf")])
+    assert head_asks(scores, 0.5).tolist() == [False, False, True, True, True, True]
+    assert head_asks(scores, torch.full((6,), 0.5)).tolist() == [False, False, True, True, True, True]
+
+
 def test_records_without_window_flags_count_every_step_as_decided():
     routing = RoutingRecord(1)
     for decision in (True, False, False, True):

@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+from ..policies import head_asks
 from .attention import LocalPlan, check_prefix_caching, local_plan, oda_attention_impl_class, routed_layers
 from .requests import rank_zeros_decisions, replay_flags
 from .settings import ServingSettings, check_engine_features
@@ -184,7 +185,7 @@ class OdaCausalLMMixin:
             scores = head(torch.stack([s.prev_hidden for s in states]), self.embed_input_ids(input_ids[tokens]),
                           hidden[tokens]).float()
         thresholds = torch.tensor([s.routing.threshold for s in states], dtype=torch.float32, device=scores.device)
-        asks = rank_zeros_decisions((scores > thresholds) | ~torch.isfinite(scores)).tolist()
+        asks = rank_zeros_decisions(head_asks(scores, thresholds)).tolist()
         recall = [ask and state.within_budget() for ask, state in zip(asks, states)]  # budget: calls within the rate
         for state, score, full in zip(states, scores.tolist(), recall):
             state.record(bool(full), score)
