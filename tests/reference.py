@@ -15,8 +15,10 @@ from oda_hf.compat import cache_kwargs
 from transformers import masking_utils
 
 
-def replay_logits(base, sequences, prompt_mask, decisions, sinks: int, window: int) -> torch.Tensor:
-    """Logits ``[batch, T, vocab]`` of `base` over `sequences` with the access sets ODA used.
+def replay_logits(base, sequences, prompt_mask, decisions, sinks: int, window: int,
+                  hidden: bool = False) -> torch.Tensor:
+    """Logits ``[batch, T, vocab]`` of `base` over `sequences` with the access sets ODA used (`hidden`: the final
+    normed hidden states ``[batch, T, hidden]`` instead, what the recall head reads).
 
     `prompt_mask`: 2D mask of the prompt part; `decisions`: bool ``[batch, routed_steps]``.
     """
@@ -52,6 +54,9 @@ def replay_logits(base, sequences, prompt_mask, decisions, sinks: int, window: i
             attention[kind] = builders[kind](config=config, inputs_embeds=embeds, attention_mask=mask2d,
                                              position_ids=position_ids, **cache_kwargs(None))
     with torch.no_grad():
+        if hidden:
+            return base.get_decoder()(input_ids=sequences, attention_mask=attention, position_ids=position_ids,
+                                      use_cache=False).last_hidden_state
         return base(input_ids=sequences, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
 
 

@@ -157,6 +157,38 @@ def test_a_score_equal_to_the_threshold_stays_local_on_every_path():
     assert head_asks(scores, torch.full((6,), 0.5)).tolist() == [False, False, True, True, True, True]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_head_reads_the_selected_state_the_token_and_the_local_state(family):
+    """Scores recomputed from the masked reference's hidden states: the head reads the previous step's state of the
+    pass it kept (Full after a recall, else Local), the current token's embedding and this step's Local state. A
+    mutation audit found either state taken from the wrong pass caught only by comparing the engine with the HF
+    path."""
+    model = make(SchedulePolicy(1, 2, run_head=True), family)   # Full and Local steps follow each other
+    prompt = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+    out = generate(model, prompt, torch.ones_like(prompt), new=10)
+    routing, sequence, length = model.routing, out.sequences, prompt.shape[1]
+    decisions = routing.decisions
+    assert decisions[0, ~routing.in_window[0]].any() and not decisions[0, ~routing.in_window[0]].all()
+
+    def states(upto, kept):   # final hidden states of columns 0..upto with the steps' kept passes `kept`
+        return replay_logits(model.base_model, sequence[:, :upto + 1], torch.ones_like(prompt), kept, SINKS, WINDOW,
+                             hidden=True)[0]
+
+    checked = 0
+    for step in range(decisions.shape[1]):
+        if routing.in_window[0, step]:
+            continue
+        column = length + step   # the token this step feeds
+        local = states(column, torch.cat([decisions[:, :step], torch.zeros(1, 1, dtype=torch.bool)], 1))[column]
+        selected = states(column - 1, decisions[:, :step])[column - 1]   # the prompt's last column: Full
+        embedding = model.base_model.get_input_embeddings()(sequence[:, column])[0]
+        with torch.no_grad():
+            expected = model.recall_head(selected[None], embedding[None], local[None])
+        torch.testing.assert_close(routing.scores[0, step], expected.reshape(()), atol=TOL, rtol=TOL)
+        checked += 1
+    assert checked >= 6
+
+
 def test_records_without_window_flags_count_every_step_as_decided():
     routing = RoutingRecord(1)
     for decision in (True, False, False, True):
