@@ -206,7 +206,7 @@ def worker(args) -> dict:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = load_model(model_name(args), dtype, args.seed)
-    steps_total = (1 + args.runs) * args.steps
+    steps_total = sum(measured_and_warmup(args))
     max_length = args.length + steps_total + 1
     continuation = json.loads(args.continuation) if args.continuation else None
     generator = torch.Generator().manual_seed(args.seed + 2)
@@ -290,6 +290,12 @@ def cost_models(name: str, sinks: int, window: int, dtype: torch.dtype, bandwidt
     size = torch.finfo(dtype).bits // 8
     hardware = Hardware("tensor-copy bandwidth of this machine", float("inf"), bandwidth)
     return ledger, BatchCostModel(ledger, hardware, weight_bytes=size, kv_bytes=size)
+
+
+def measured_and_warmup(args) -> tuple[int, int]:
+    """The routed steps a worker times (`--runs` segments) and those before them (one warm-up segment): `worker`'s
+    layout, which the limit and the FLOPs ratio must follow."""
+    return args.steps * args.runs, args.steps
 
 
 def step_decisions(method: str, steps: int, warmup: int) -> list[bool] | None:
@@ -454,7 +460,7 @@ def main(argv=None) -> int:
     ledger, bytes_model = cost_models(name, args.sinks, args.window, getattr(torch, args.dtype), max(bandwidth))
 
     rows = []
-    measured_steps = args.steps * args.runs
+    measured_steps, warmup_steps = measured_and_warmup(args)
     for length in lengths:
         for method in methods:
             results = measured[(length, method)]
@@ -463,9 +469,8 @@ def main(argv=None) -> int:
                    "ms_per_token": 1000 / statistics.median(throughput),
                    "peak_rss_gb": max(r["peak_rss_gb"] for r in results),
                    "warmup_s": [r["warmup_s"] for r in results],
-                   # (one warm-up segment of args.steps steps before the measured ones)
-                   "limit_ms": 1000 * limit_seconds(method, length, measured_steps, args.steps, bytes_model),
-                   "predicted": predicted_ratio(method, length, measured_steps, args.steps, ledger)}
+                   "limit_ms": 1000 * limit_seconds(method, length, measured_steps, warmup_steps, bytes_model),
+                   "predicted": predicted_ratio(method, length, measured_steps, warmup_steps, ledger)}
             if "full_call_rate" in results[0]:
                 row["full_call_rate"] = results[0]["full_call_rate"]
             rows.append(row)

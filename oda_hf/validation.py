@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 
 # 2**24 = 16,777,216 positions: above every released model's context (the longest, 10M tokens), far below
 # where a typo such as window=1e9 starts; the Local workspace is sized by the request, not by this bound.
@@ -100,7 +100,7 @@ def parse_float(text: str) -> float:
         value = float(text.strip())
     except ValueError:
         raise ValueError(f"must be a number; got {text!r}.") from None
-    if value == 0.0 and re.search(r"[1-9]", re.split(r"[eE]", text)[0]):   # 1e-400: read as 0, a different knob
+    if value == 0.0 and Decimal(text.strip()) != 0:   # 1e-400 (any digits float reads): 0, a different knob
         raise ValueError(f"must be a number a float can hold; {text!r} is too small (it would be read as 0).")
     return value
 

@@ -1,5 +1,6 @@
 """The decode benchmark runs end to end at a tiny size (numbers there mean nothing; the script is what counts)."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -54,6 +55,7 @@ def test_decode_benchmark_counts_one_warm_up_segment_at_any_runs():
     spec = importlib.util.spec_from_file_location("decode_throughput", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    assert script.measured_and_warmup(argparse.Namespace(steps=8, runs=2)) == (16, 8)   # what main() passes on
     # schedule 2 of 16 from the warm-up's first step: measured steps 9-24 after 8 warm-up steps; Full at 17 and 18
     assert script.step_decisions("oda-12.5", 16, 8) == [False] * 8 + [True, True] + [False] * 6
     assert script.step_decisions("streamingllm", 16, 8) == [False] * 16

@@ -439,8 +439,15 @@ def test_diagnostics_count_the_resamples_behind_an_auroc_interval():
     draws = stats.paired_bootstrap(documents, lambda rows: {"n": np.array(len(set(rows)))}, 60, 3, False)["n"]
     both = result["subsets"]["all"]["resamples_with_both_classes"]
     assert 0 < both < 60 and both == int(np.sum(draws > 9))   # resamples drawing both documents (9 positions each)
-    assert (f"AUROC and AP intervals are over the resamples that hold positions of both signs, fewer than 60 in: "
-            f"All {both}") in diagnostics.markdown(result)
+    text = diagnostics.markdown(result)
+    assert f"AUROC intervals are over the resamples that hold positions of both signs, fewer than 60 in: All {both}," \
+        in text
+    # AP needs a positive only: the resamples of the positive document alone count for it (AP 1.0 there)
+    positives = result["subsets"]["all"]["resamples_with_positives"]
+    first_only = stats.paired_bootstrap(documents, lambda rows: {"n": np.array(int(rows.max() < 9))}, 60, 3, False)
+    assert positives == both + int(first_only["n"].sum()) < 60
+    assert f"AP intervals are over the resamples that hold a position with g > 0, fewer than 60 in: All {positives}," \
+        in text
 
 
 def test_diagnostics_say_what_they_could_not_score():
@@ -789,7 +796,7 @@ def test_a_merge_into_an_older_folder_warns_of_what_it_cannot_check(tmp_path, ca
     with caplog.at_level("WARNING", logger="oda_hf"):
         assert runner.merge_results(tmp_path / "a" / "results.jsonl", [tmp_path / "b" / "results.jsonl"]) == 2
     assert (f"{manifest_path} was written before oda_hf recorded base_config_sha256: {tmp_path / 'b' / 'results.jsonl'}"
-            "'s records are merged without checking those against it.") in caplog.text
+            "'s records are merged into it without checking those") in caplog.text
 
 
 def test_merge_keeps_the_matched_random_records_drawn_at_the_current_rate(tmp_path):

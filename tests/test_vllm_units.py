@@ -66,13 +66,16 @@ def test_request_knobs(extra, expected):
     ({"OdaThreshold": 0.5}, "Unknown ODA request key"),
     ({"odaPolciy": "local"}, "Unknown ODA request key.*'odaPolciy'"),   # was served with the engine's default
     ({"odaTreshold": 0.5}, "Unknown ODA request key"),
+    ({"odPolicy": "local"}, "Unknown ODA request key.*'odPolicy'"),
+    ({"oadPolicy": "local"}, "Unknown ODA request key"),
 ])
 def test_bad_request_knobs_name_the_value(extra, message):
     with pytest.raises(ValueError, match=message):
         request_routing(extra, DEFAULT)
 
 
-@pytest.mark.parametrize("key", ["odata", "odometer", "odaMode", "oda"])
+@pytest.mark.parametrize("key", ["odata", "odometer", "odaMode", "oda", "policy", "thresholds", "lora_policy",
+                                 "dataPolicy", "odaPol"])
 def test_other_plugins_keys_beginning_with_oda_are_not_odas(key):
     assert request_routing({key: 1}, DEFAULT) == DEFAULT
 

@@ -431,8 +431,9 @@ def analyze(records: Sequence[ReferencePositions], *, budgets: Sequence[float] =
         g = gains[mask]
         entry = {"positions": int(mask.sum()), "positive_fraction": float((g > 0).mean()) if len(g) else float("nan"),
                  "methods": {}, "differences": {},
-                 # AUROC/AP intervals are over the resamples whose positions hold both signs (NaN elsewhere)
-                 "resamples_with_both_classes": int(np.sum(~np.isnan(samples[f"{subset}/{methods[0]}/auroc"])))}
+                 # the resamples each interval rests on (NaN elsewhere): AUROC needs both signs, AP a positive
+                 "resamples_with_both_classes": int(np.sum(~np.isnan(samples[f"{subset}/{methods[0]}/auroc"]))),
+                 "resamples_with_positives": int(np.sum(~np.isnan(samples[f"{subset}/{methods[0]}/ap"])))}
         for method in methods + ["oracle", "random"]:
             curve = point[f"{subset}/{method}/curve"].tolist()
             curve_ci = interval(samples[f"{subset}/{method}/curve"])
@@ -503,11 +504,13 @@ def markdown(result: dict) -> str:
         positive = "n/a" if math.isnan(entry["positive_fraction"]) else f"{100 * entry['positive_fraction']:.1f}%"
         lines.append(f"| {SUBSET_TITLES[subset]} | {entry['positions']} | {positive} | "
                      + " | ".join(cells) + " |")
-    short = [f"{SUBSET_TITLES[subset]} {entry['resamples_with_both_classes']}"
-             for subset, entry in result["subsets"].items() if entry.get("resamples_with_both_classes", result["n_resamples"]) < result["n_resamples"]]
-    if short and result["n_resamples"]:
-        lines += ["", f"AUROC and AP intervals are over the resamples that hold positions of both signs, fewer than "
-                  f"{result['n_resamples']} in: {', '.join(short)}."]
+    for measure, key, held in (("AUROC", "resamples_with_both_classes", "positions of both signs"),
+                               ("AP", "resamples_with_positives", "a position with g > 0")):
+        short = [f"{SUBSET_TITLES[subset]} {entry[key]}" for subset, entry in result["subsets"].items()
+                 if 0 < entry.get(key, result["n_resamples"]) < result["n_resamples"]]   # (0: its interval is n/a)
+        if short:
+            lines += ["", f"{measure} intervals are over the resamples that hold {held}, fewer than "
+                      f"{result['n_resamples']} in: {', '.join(short)}."]
     lines += ["", "## Average precision", "", "| Subset | " + " | ".join(f"{METHODS[m]} AP" for m in methods) + " |",
               "|---|" + "---|" * len(methods)]
     for subset in SUBSETS:

@@ -401,11 +401,12 @@ def read_last_run(path: str | os.PathLike) -> dict | None:
     return last if isinstance(last, dict) and isinstance(last.get("examples"), list) else None
 
 
-def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
-    """Error naming the differing keys if an existing manifest at `path` has other settings."""
+def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> dict | None:
+    """Error naming the differing keys if an existing manifest at `path` has other settings; its settings (None:
+    no manifest)."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        return
+        return None
     saved = read_manifest_settings(path)
     differences = _differences(saved, settings)
     if differences:
@@ -413,15 +414,16 @@ def check_manifest(path: str | os.PathLike, settings: dict, results_path: str | 
             f"{results_path} was generated with other settings ({path}): " + "; ".join(differences)
             + ". Records of different settings must not mix: write to a new output folder (--out).")
     warn_unrecorded(path, [saved], settings)
+    return saved
 
 
-def warn_unrecorded(path, saved: Iterable[dict], settings: dict) -> None:
+def warn_unrecorded(path, saved: Iterable[dict], settings: dict, what: str = "its records are reused") -> None:
     """Warn once if settings `saved` with records reused now lack `LATER_KEYS` that `settings` holds."""
     unrecorded = sorted({key for old in saved for key in LATER_KEYS if key in settings and key not in old})
     if unrecorded:
-        logger.warning(f"{path} was written before oda_hf recorded {', '.join(unrecorded)}: its records are reused "
-                       "without checking those (a change of the base's config.json or generation_config.json since "
-                       "they were made would go unseen).")
+        logger.warning(f"{path} was written before oda_hf recorded {', '.join(unrecorded)}: {what} without checking "
+                       "those (a change of the base's config.json or generation_config.json since they were made "
+                       "would go unseen).")
 
 
 def write_manifest(path: str | os.PathLike, settings: dict, results_path: str | os.PathLike) -> None:
@@ -472,11 +474,8 @@ def merge_results(output_path: str | os.PathLike, sources: Sequence[str | os.Pat
         source_manifest = _manifest_of(source, manifest_name)
         if not os.path.exists(source_manifest):
             raise ValueError(f"{source} has no manifest, so its settings are unknown: it cannot be merged.")
-        check_manifest(source_manifest, settings, source)
-        newer = [key for key in LATER_KEYS if key in read_manifest_settings(source_manifest) and key not in settings]
-        if newer:
-            logger.warning(f"{manifest_path} was written before oda_hf recorded {', '.join(newer)}: {source}'s "
-                           "records are merged without checking those against it.")
+        source_settings = check_manifest(source_manifest, settings, source)
+        warn_unrecorded(manifest_path, [settings], source_settings, f"{source}'s records are merged into it")
         loaded.append((source, ResultsFile(source, repair=False)))
         check_report_fields(loaded[-1][1].records.values(), source)
     # Before anything is appended: an example id must be the same prompt and output cap in every file, and be

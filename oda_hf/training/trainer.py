@@ -435,6 +435,7 @@ class OdaTrainer(Trainer):
 
     # -- a dataset without supervision is an error, not a silent no-op --------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        self._best_loaded_step = None
         resume_from_checkpoint = self.check_before_training(resume_from_checkpoint)
         self._drop_calibrated_threshold()
         finished = self._finished_checkpoint(resume_from_checkpoint)
@@ -447,7 +448,6 @@ class OdaTrainer(Trainer):
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
         self._skipped_before_train, self._updates_since_log, self._skipped_since_log = self.skipped_updates, 0, 0
-        self._best_loaded_step = None
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
@@ -706,6 +706,8 @@ class OdaTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         self._load_head(self.state.best_model_checkpoint)
-        # the head now holds the best checkpoint's weights: a save names its update count, not the last step's
-        self._best_loaded_step = TrainerState.load_from_json(
-            os.path.join(self.state.best_model_checkpoint, TRAINER_STATE_NAME)).global_step
+        # the head now holds the best checkpoint's weights: a save names its update count (`checkpoint-N`), not the
+        # last step's
+        name = os.path.basename(os.path.normpath(self.state.best_model_checkpoint))
+        step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        self._best_loaded_step = int(step) if step.isdigit() else None

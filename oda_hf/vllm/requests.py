@@ -87,15 +87,19 @@ def parse_policy(text, threshold: float) -> RequestRouting:
 
 def is_oda_key(key) -> bool:
     """Whether a request's extra-args key is meant for ODA: ``oda_...`` in any case, with stray spaces or dashes, or a
-    knob's name in another spelling (``odaPolicy``, ``oda.threshold``: JSON clients camel-case), misspelled too
-    (``odaPolciy``, ``odaTreshold``: at least 80% alike once squashed, as other plugins' keys are not)."""
+    knob's name in another spelling (``odaPolicy``, ``oda.threshold``: JSON clients camel-case), or misspelled
+    (``odaPolciy``, ``odPolicy``, ``odaTreshold``: once squashed, an ``o`` and two of ``oda``'s letters first, within
+    2 letters of a knob's length and at least 80% alike; ``thresholds``, ``lora_policy`` or ``odata``, keys another
+    plugin may read, are not)."""
     if not isinstance(key, str):
         return False
     squashed = re.sub(r"[\W_]", "", key.lower())
     if key.strip().lower().replace("-", "_").startswith("oda_") or squashed.startswith(("odapolicy", "odathreshold")):
         return True
-    return squashed.startswith("oda") and any(
-        difflib.SequenceMatcher(None, squashed, knob).ratio() >= 0.8 for knob in ("odapolicy", "odathreshold"))
+    if not squashed.startswith("o") or difflib.SequenceMatcher(None, squashed[:3], "oda").ratio() < 2 / 3:
+        return False
+    return any(abs(len(squashed) - len(knob)) <= 2 and difflib.SequenceMatcher(None, squashed, knob).ratio() >= 0.8
+               for knob in ("odapolicy", "odathreshold"))
 
 
 def request_routing(extra_args: dict | None, default: RequestRouting,

@@ -56,7 +56,8 @@ async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
 
     With data parallelism every engine is asked (vLLM's `collective_rpc` answers with the first engine's result: the
     requests another engine served had no record, with HTTP 200) and their stats merged (`merged_stats`); of each
-    engine, its first tensor-parallel worker's (every rank keeps the same records)."""
+    engine, its first tensor-parallel worker's (rank 0, whose decisions every rank takes; another rank's scores can
+    differ in rounding)."""
     kwargs = {**kwargs, **({} if response_id is None else {"response_id": response_id})}
     client = app.state.engine_client
     core = getattr(client, "engine_core", None)
