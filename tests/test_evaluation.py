@@ -241,6 +241,35 @@ def test_window_steps_are_set_apart_and_both_rates_named():
     assert "In window" in text and "Paper rate (pooled)" in text and "| 4 | 3 | 50.00% |" in text
 
 
+def test_the_report_averages_over_tasks_and_rates_over_decided_steps():
+    """Numbers a mutation audit could change with every test passing: a task's rate over the steps past the window
+    (Full's in-window calls set apart), Avg as the mean over tasks (not over examples), task-averaged rates over the
+    tasks that decided a step, the highest request rate, and the sweep table's Random columns in its header's order."""
+    def oda(task, calls, steps, score, window=2, **fields):
+        return {**_record(task, "oda@0", calls, steps, score, kind="oda", threshold=0.0, **fields),
+                "window_steps": window, "window_full_calls": 0}
+
+    records = [oda("a", 4, 10, 1.0)] + [oda("b", 1, 10, 0.0, seed=k) for k in range(3)] + [oda("c", 0, 3, 0.5, 3)]
+    records.append({**_record("a", "full", 10, 10, 1.0), "window_steps": 2, "window_full_calls": 2})
+    for seed, calls in ((42, 2), (43, 4)):
+        for task, task_calls, steps in (("a", calls, 10), ("b", 0, 34)):
+            records.append({**_record(task, f"random~oda@0/seed{seed}", task_calls, steps, 0.0, kind="random",
+                                      group="random~oda@0", threshold=0.0, seed=seed), "window_steps": 2,
+                            "window_full_calls": 0})
+    groups = report.summarize(records)
+    assert groups["full"].runs[0].tasks["a"].rate == 1.0   # (10 - 2) / (10 - 2), not 10 / 8
+    oda_group = groups["oda@0"]
+    assert oda_group.score.mean == pytest.approx((100 + 0 + 50) / 3)   # over tasks; over examples it is 30
+    assert oda_group.task_averaged_rate.mean == pytest.approx((4 / 8 + 1 / 8) / 2)   # task c decided no step
+    assert oda_group.pooled_rate.mean == pytest.approx(7 / 32) and oda_group.max_request_rate == 0.5
+    random = groups["random~oda@0"]
+    assert random.task_averaged_rate.mean == pytest.approx((2 / 8 / 2 + 4 / 8 / 2) / 2)   # per seed, then over seeds
+    assert random.pooled_rate.mean == pytest.approx((2 / 40 + 4 / 40) / 2)
+    sweep = report.sweep_table(groups).splitlines()
+    assert sweep[0].endswith("| Random score | Random Full (task-avg) | Random Full (pooled) |")
+    assert sweep[2] == "| 0 | 50.00 | 31.25% | 21.88% | 0.00 ± 0.00 | 18.75 ± 8.84% | 7.50 ± 3.54% |"
+
+
 def test_random_groups_report_mean_and_sample_std_across_seeds():
     records = []
     for seed, (score, calls) in {42: (1.0, 4), 43: (0.0, 6)}.items():
