@@ -58,6 +58,7 @@ def test_ruler_string_match():
     prediction = "  The numbers are 123 and\x07 456. "
     assert metrics.string_match_all(prediction, ["123", "456", "789"]) == pytest.approx(2 / 3)
     assert metrics.string_match_all("ABC", ["abc"]) == 1.0  # case-insensitive
+    assert metrics.string_match_all("the key is abc", ["ABC"]) == 1.0   # both sides lowered
     assert metrics.string_match_part(prediction, ["789", "456"]) == 1.0
     assert metrics.string_match_part(prediction, ["789"]) == 0.0
     assert metrics.ruler_postprocess(" a\x07b ") == "a\nb"
@@ -69,9 +70,19 @@ def test_longbench_english_f1():
     # normalized prediction "eiffel tower paris" (3 tokens) vs "eiffel tower" (2): P = 2/3, R = 1.
     assert metrics.qa_f1_score("The Eiffel Tower, Paris!", "eiffel tower") == pytest.approx(0.8)
     assert metrics.qa_f1_score("an apple", "the banana") == 0.0
+    # a multiset overlap: "paris" twice on both sides counts twice (P = R = 2/3), not once
+    assert metrics.token_f1(["paris", "paris", "rome"], ["paris", "paris", "oslo"]) == pytest.approx(2 / 3)
     assert metrics.normalize_answer("A  Tale, of the Cities.") == "tale of cities"
     # the suite metric takes the best reference
     assert metrics.score_example("qa_f1_score", "paris", ["london", "Paris"]) == 1.0
+
+
+def test_a_limit_spreads_the_examples_over_the_suite():
+    """`--limit N` takes examples spread over the suite's order (needle depth grows along it), rounded to the
+    nearest, and the middle one alone for N = 1 (a mutation audit: truncation and the first item passed)."""
+    items = list(range(10))
+    assert suites.spread_subset(items, 4) == [0, 3, 6, 9] and suites.spread_subset(items, 3) == [0, 5, 9]
+    assert suites.spread_subset(items, 1) == [4] and suites.spread_subset(items[:3], 5) == [0, 1, 2]
 
 
 def test_longbench_chinese_f1():
