@@ -102,6 +102,9 @@ def test_within_full_rule_and_bad_requests(tmp_path):
     fallback = calibration.choose_threshold(sweep, full_score=85.0, tolerance=2.0)  # none within 2 points of 85
     assert fallback["threshold"] == 0.0 and not calibration.within_full_met(fallback, 85.0, 2.0)
     assert calibration.choose_for_rate(sweep, 0.5)["threshold"] == 0.5 and calibration.choose_for_rate(sweep, 0.1) is None
+    # a rate exactly at the target is within it, and of two thresholds at one rate the lower is taken
+    tied = sweep + [{"threshold": 0.7, "macro_score": 70.0, "pooled_full_call_rate": 0.3}]
+    assert calibration.choose_for_rate(tied, 0.3)["threshold"] == 0.5
     # exactly `tolerance` below Full's macro, which float sums put 4e-15 above 20 (found by an audit: refused, and the
     # rule took the threshold at 80% Full calls); 2e-9 short of it is not within
     full_macro = 100 * (0.2 + 0.2 + 0.2) / 3

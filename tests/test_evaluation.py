@@ -281,6 +281,16 @@ def test_the_report_averages_over_tasks_and_rates_over_decided_steps():
     assert sweep[2] == "| 0 | 50.00 | 31.25% | 21.88% | 0.00 ± 0.00 | 18.75 ± 8.84% | 7.50 ± 3.54% |"
 
 
+def test_matched_random_rates_and_percentile_intervals():
+    """A task where ODA made no routed step past the window gets a Random control at p = 0; a 95% interval cuts
+    2.5% off each tail (a mutation audit's p = 1 and 5% tails passed every test)."""
+    records = [{**_record("a", "oda@0", 3, 10, 1.0, kind="oda", threshold=0.0), "window_steps": 2},
+               {**_record("b", "oda@0", 0, 4, 1.0, kind="oda", threshold=0.0), "window_steps": 4}]
+    assert runner.matched_rates(records, 0.0) == {"a": 3 / 8, "b": 0.0}
+    low, high = stats.percentile_interval(np.arange(201.0)[:, None], level=0.95)
+    assert (float(low[0]), float(high[0])) == (pytest.approx(5.0), pytest.approx(195.0))
+
+
 def test_random_groups_report_mean_and_sample_std_across_seeds():
     records = []
     for seed, (score, calls) in {42: (1.0, 4), 43: (0.0, 6)}.items():
