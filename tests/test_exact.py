@@ -148,6 +148,34 @@ def test_return_dict_and_routing_summary():
     assert "Full passes" in model.routing.summary() and model.routing.tokens_per_full_pass >= 1
 
 
+def test_the_record_counts_what_drafting_and_verification_did():
+    """Counts a mutation audit could change with every test passing: a Full pass verifies at most `max_draft`
+    drafts, a draft run Full confirms whole ends in a bonus token (not a correction), tokens per pass leave out the
+    prefill's, and the head's rule is `score <= threshold` drafts on (a tie) while NaN asks for verification."""
+    model = exact_model("qwen3")
+    # every step within s + w: Local reads what Full reads, so Full confirms every draft
+    wide = OdaForCausalLM(model.base_model, model.recall_head, OdaConfig(sinks=SINKS, window=64))
+    ids = torch.randint(3, 90, (1, 3), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(exact(wide, ids, max_new_tokens=13, max_draft=3, verify_threshold=math.inf),
+                       stock(model, ids, max_new_tokens=13))
+    counts = {name: wide.routing.total(name) for name in ExactRecord.COUNTS}
+    assert counts == {"generated": 13, "drafted": 9, "accepted": 9, "corrected": 0, "bonus": 3, "full_passes": 3,
+                      "head_verifications": 0, "near_ties": 0}
+    assert wide.routing.tokens_per_full_pass == 4.0   # 12 tokens after the prefill's, 3 passes
+    # past the window (the head is asked there): a score at the threshold drafts on, NaN verifies
+    long = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model.recall_head.score.weight.zero_()
+        model.recall_head.score.bias.fill_(0.25)
+    exact(model, long, max_new_tokens=13, max_draft=3, verify_threshold=0.25)
+    assert model.routing.total("head_verifications") == 0 and model.routing.total("drafted") > 0
+    with torch.no_grad():
+        model.recall_head.score.bias.fill_(float("nan"))
+    assert torch.equal(exact(model, long, max_new_tokens=13, max_draft=3, verify_threshold=0.25),
+                       stock(model, long, max_new_tokens=13))
+    assert model.routing.total("head_verifications") == 12 and model.routing.total("drafted") == 0
+
+
 # -- the cache operations exact decoding relies on ----------------------------------------------------------
 
 
