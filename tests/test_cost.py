@@ -396,3 +396,13 @@ def test_a_model_config_given_as_head_config_is_refused(tmp_path, capsys):
     model_config.write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
     with pytest.raises(UsageError, match="is not a recall head's config .*'llama'"):
         _run(["--head-config", str(model_config)], capsys)
+
+
+def test_a_chunked_layer_reads_its_chunk_so_far():
+    """At history length n, a chunked-attention layer (Llama 4) reads the positions of the current chunk up to the
+    token: a whole chunk at its last position, one at a chunk's first (a mutation audit's `n % span` passed)."""
+    from oda_hf.cost import LayerShape
+
+    layer = LayerShape(index=0, cache_type="chunked_attention", kind="chunked_attention", macs=0, query_heads=1,
+                       head_dim=8, span=4, kv_heads=1)
+    assert [layer.positions_read(n) for n in range(1, 10)] == [1, 2, 3, 4, 1, 2, 3, 4, 1]
