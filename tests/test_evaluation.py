@@ -103,6 +103,8 @@ def test_rouge_l_as_the_rouge_package():
     # Distinct words: hypothesis {a} (n = 1), reference {a, b} (m = 2), union LCS {a}: P = 1, R = 1/2.
     assert metrics.rouge_score("a a a", "a b") == pytest.approx(2 / 3, abs=1e-7)
     assert metrics.rouge_score("", "a b") == 0.0 and metrics.rouge_score("...", "a") == 0.0
+    # text after the last "." is a sentence even when blank: rouge 1.0.1 gives 0.8571428522448981 (run beside it)
+    assert metrics.rouge_score("the cat sat. ", "the cat sat") == pytest.approx(6 / 7, abs=1e-7)
     # Chinese, character level: 会议讨论预算 vs 讨论预算问题 share 讨论预算: P = R = 4/6.
     assert metrics.rouge_zh_score("会议讨论预算", "讨论预算问题", segmentation="char") == pytest.approx(2 / 3, abs=1e-7)
     pytest.importorskip("jieba")
