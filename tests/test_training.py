@@ -195,11 +195,7 @@ def test_gradients_follow_the_loss_weights():
     assert all(p.grad is None and not p.requires_grad for p in model.base_model.parameters())
 
 
-# -- OdaTrainer -------------------------------------------------------------------------------------------
-def _rows(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist(), "position_ids": list(range(n))}
-            for n in lengths]
+# -- OdaTrainer (`_rows`, below, builds the rows) ------------------------------------------------------------
 
 
 def _args(tmp_path, **overrides):

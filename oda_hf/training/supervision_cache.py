@@ -56,7 +56,7 @@ from ..modeling import OdaForCausalLM
 from .data import OdaDataCollator
 from .losses import regression_target, token_losses
 from .paired import LM_CHUNK, paired_supervision
-from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments
+from .trainer import HeadTrainingModule, OdaTrainer, OdaTrainingArguments, eval_sets
 from ..validation import MAX_SPAN, integer, number
 
 logger = logging.get_logger(__name__)
@@ -497,7 +497,7 @@ class OdaCacheTrainer(OdaTrainer):
     def _check_eval_caches(evaluation, model, sinks: int, window: int, tau_hist: float) -> None:
         """Eval caches must fit the model as the training cache does (one of another base or window gave an eval
         loss, exit 0)."""
-        for dataset in evaluation.values() if isinstance(evaluation, dict) else [evaluation]:
+        for dataset in eval_sets(evaluation).values():
             if isinstance(dataset, SupervisionCacheDataset):
                 dataset.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=tau_hist)
 

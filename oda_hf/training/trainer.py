@@ -253,6 +253,13 @@ class _SkipAwareScheduler:
         return getattr(self.__dict__["scheduler"], name)
 
 
+def eval_sets(eval_dataset) -> dict:
+    """Trainer's `eval_dataset` as ``{name: dataset}``: its named sets, or ``{None: it}`` ({} without one)."""
+    if eval_dataset is None:
+        return {}
+    return dict(eval_dataset) if isinstance(eval_dataset, dict) else {None: eval_dataset}
+
+
 def _over_applied(loss: float, updates: int, skipped: int) -> float:
     """A logged loss (Trainer's sum over `updates` divided by their number) as the mean over the updates applied: a
     skipped one adds a zero loss to the sum (NaN when none was applied)."""
@@ -587,9 +594,9 @@ class OdaTrainer(Trainer):
         """Data without one eligible position is refused before training: the training set (else every update is
         skipped) and, when training evaluates, each eval set (else the first evaluation fails mid-run)."""
         named = [("the training dataset", self.train_dataset)]
-        if self.args.eval_strategy != IntervalStrategy.NO and self.eval_dataset is not None:
-            evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
-            named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data) for key, data in evals.items()]
+        if self.args.eval_strategy != IntervalStrategy.NO:
+            named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data)
+                      for key, data in eval_sets(self.eval_dataset).items()]
         for what, dataset in named:
             if dataset is None or not hasattr(dataset, "__len__"):
                 continue  # iterable data: checked as it is read (every update skipped, an empty evaluation -> error)

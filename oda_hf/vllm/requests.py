@@ -19,8 +19,12 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..validation import number, parse_float, parse_policy_text
+
+if TYPE_CHECKING:   # (imported lazily: `oda --help` loads this module without torch)
+    import torch
 
 POLICY_KEY = "oda_policy"
 THRESHOLD_KEY = "oda_threshold"
@@ -496,7 +500,7 @@ def pooled(requests: dict, evicted: dict | None = None) -> dict:
     return {"requests": requests, **totals, "pooled_full_call_rate": full / decided if decided else 0.0}
 
 
-def rank_zeros_decisions(asks: "torch.Tensor", group=None) -> "torch.Tensor":
+def rank_zeros_decisions(asks: torch.Tensor, group=None) -> torch.Tensor:
     """The head's decisions of tensor-parallel rank 0, on every rank of the group (vLLM's TP group by default).
 
     Each rank runs the head on its own copy of the hidden states, and the Full pass that follows is a collective
