@@ -228,6 +228,10 @@ def test_two_process_data_parallel_equals_one_process(tmp_path):
     for key, tensor in safetensors.torch.load_file(out).items():
         reduction, name = key.split("/", 1)
         ddp.setdefault(reduction, {})[name] = tensor
+    # 3 eval rows over 2 processes: each row counts once (accelerate's padding repeated row 0: 34 positions, not 24)
+    single_eval = ddp_head_worker.evaluation(str(tmp_path / "eval"))
+    assert float(ddp["eval"]["eval_eligible_tokens"]) == float(single_eval["eval_eligible_tokens"]) == 24
+    torch.testing.assert_close(ddp["eval"]["eval_loss"], single_eval["eval_loss"])
     for reduction in ("micro", "step"):
         single = ddp_head_worker.one_update(reduction, 2, str(tmp_path / reduction))
         for name, value in single.items():
@@ -515,6 +519,31 @@ def test_the_eval_loss_is_the_pooled_training_loss_whatever_the_batch_size(tmp_p
     unevaluated = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),
                              eval_dataset=_rows([5], seed=9), args=_trainer_args(tmp_path, max_steps=1))
     unevaluated.train()   # not evaluated while training: not checked
+
+
+class _IterableRows(torch.utils.data.IterableDataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows[i] for i in range(len(self.rows)))
+
+
+def test_an_iterable_eval_set_is_refused_over_several_processes(tmp_path, monkeypatch):
+    """accelerate pads an iterable set's last batches with repeated rows over 2 processes (measured: 40 eligible
+    positions counted of 30); a map-style set is sharded unpadded (the two-process test above)."""
+    iterable = _IterableRows(_rows([14, 13], seed=5))
+    one = OdaTrainer(model=oda_model("qwen3", head=True), args=_trainer_args(tmp_path, max_steps=1),
+                     train_dataset=_rows([14, 12]))
+    assert one.evaluate(iterable)["eval_eligible_tokens"] > 0   # one process: read as it comes
+    monkeypatch.setattr(OdaTrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="An iterable eval dataset \\(_IterableRows\\) cannot be evaluated over 2"):
+        one.evaluate(iterable)
+    args = _trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
+    evaluating = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),
+                            eval_dataset={"stream": iterable}, args=args)
+    with pytest.raises(ValueError, match="The eval dataset 'stream' \\(_IterableRows\\) cannot be evaluated over 2"):
+        evaluating.check_before_training()
 
 
 def test_resume_needs_the_optimizer_state_and_keeps_the_optimizer_settings(tmp_path):

@@ -35,6 +35,7 @@ What differs from a stock Trainer:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -407,12 +408,40 @@ class OdaTrainer(Trainer):
         steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
         return _over_applied(value, steps, self.skipped_updates - self._skipped_before_train)
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        with self._each_row_once(self.eval_dataset if dataset is None else dataset):
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self._each_row_once(test_dataset):
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _each_row_once(self, dataset):
+        """Under data parallelism accelerate evens the processes' eval batches by repeating the set's first rows, which
+        then counted twice in the pooled loss (`evaluation_loop` does not know which rows repeat): shard without
+        padding instead. Uneven shards are safe there, as no collective runs before the loop's end. An iterable set is
+        padded whatever the setting (measured: 40 eligible positions counted of 30), so it is refused."""
+        self._check_evaluable(dataset)
+        even, self.accelerator.even_batches = self.accelerator.even_batches, False
+        try:
+            yield
+        finally:
+            self.accelerator.even_batches = even
+
+    def _check_evaluable(self, dataset, what: str = "An iterable eval dataset") -> None:
+        if self.args.world_size > 1 and isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"{what} ({type(dataset).__name__}) cannot be evaluated over {self.args.world_size} "
+                             "processes: accelerate pads its last batches with repeated rows, which would count twice "
+                             "in the eval loss. Pass a dataset with __len__ and __getitem__ (a list of rows, "
+                             "PackedDataset, SupervisionCacheDataset), or evaluate in one process.")
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """`evaluate()` / `predict()`: the training loss over every eligible position of the set, pooled. (The stock
         loop averaged each batch's own mean over rows: the number changed with the eval batch size, a batch without an
-        eligible position counted as a loss of 0, and a set without any scored a perfect 0.) Under data parallelism
-        the positions of a last batch padded by repetition count twice."""
+        eligible position counted as a loss of 0, and a set without any scored a perfect 0.)"""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.args.device)   # loss sum, eligible positions
@@ -592,12 +621,15 @@ class OdaTrainer(Trainer):
 
     def _check_supervision(self) -> None:
         """Data without one eligible position is refused before training: the training set (else every update is
-        skipped) and, when training evaluates, each eval set (else the first evaluation fails mid-run)."""
+        skipped) and, when training evaluates, each eval set (else the first evaluation fails mid-run), as is an eval
+        set that `_each_row_once` refuses."""
         named = [("the training dataset", self.train_dataset)]
         if self.args.eval_strategy != IntervalStrategy.NO:
             named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data)
                       for key, data in eval_sets(self.eval_dataset).items()]
         for what, dataset in named:
+            if what != "the training dataset":
+                self._check_evaluable(dataset, what[0].upper() + what[1:])
             if dataset is None or not hasattr(dataset, "__len__"):
                 continue  # iterable data: checked as it is read (every update skipped, an empty evaluation -> error)
             if not any(self.count_eligible(self.data_collator([dataset[i]])) for i in range(len(dataset))):
