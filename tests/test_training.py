@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -519,6 +520,38 @@ def test_the_eval_loss_is_the_pooled_training_loss_whatever_the_batch_size(tmp_p
     unevaluated = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),
                              eval_dataset=_rows([5], seed=9), args=_trainer_args(tmp_path, max_steps=1))
     unevaluated.train()   # not evaluated while training: not checked
+
+
+class _OutOfMemoryOnce(OdaTrainer):
+    """Its third training step at batch size 2 runs out of memory, as on a GPU under `auto_find_batch_size`."""
+
+    steps_at_two = 0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._train_batch_size == 2:
+            self.steps_at_two += 1
+            if self.steps_at_two == 3:
+                raise RuntimeError("CUDA out of memory.")
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_counts_restart_with_the_training_loop_after_an_out_of_memory_retry(tmp_path):
+    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error: the skipped and
+    applied updates of the failed attempt counted on (train_loss NaN, the first loss line rescaled by 7 / 3 updates
+    applied instead of 4 / 2). SGD at learning rate 1e-30, so the retry must log exactly what a run at its batch size logs."""
+    data = _rows([5, 5, 14, 13])   # the first two rows have no eligible position
+    results = []
+    for trainer_class, batch_size in ((_OutOfMemoryOnce, 2), (OdaTrainer, 1)):
+        trainer = trainer_class(model=oda_model("qwen3", head=True), train_dataset=data, args=_trainer_args(
+            tmp_path, max_steps=4, logging_steps=4, learning_rate=1e-30, optim="sgd", per_device_train_batch_size=batch_size,
+            auto_find_batch_size=batch_size == 2))
+        output = trainer.train()
+        logged = [{k: v for k, v in entry.items() if k in ("loss", "skipped_updates", "eligible_tokens")}
+                  for entry in trainer.state.log_history if "loss" in entry]
+        results.append((trainer.skipped_updates, trainer.applied_updates, logged, output.training_loss))
+        if batch_size == 2:   # the retry ran, at batch size 1
+            assert trainer.steps_at_two == 3 and trainer._train_batch_size == 1
+    assert results[0] == results[1] and results[1][:2] == (2, 2) and math.isfinite(results[1][3])
 
 
 class _IterableRows(torch.utils.data.IterableDataset):

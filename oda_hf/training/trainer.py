@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 from torch import nn
-from transformers import Trainer, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, EvalLoopOutput, IntervalStrategy, TrainOutput,
                                       rotate_checkpoints)
@@ -254,6 +254,18 @@ class _SkipAwareScheduler:
         return getattr(self.__dict__["scheduler"], name)
 
 
+class _CountPerAttempt(TrainerCallback):
+    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error; the update
+    counts start again with each run of it (the failed attempt's made train_loss NaN and rescaled the first logged
+    loss, exit 0)."""
+
+    def __init__(self, trainer: "OdaTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._start_counting()
+
+
 def eval_sets(eval_dataset) -> dict:
     """Trainer's `eval_dataset` as ``{name: dataset}``: its named sets, or ``{None: it}`` ({} without one)."""
     if eval_dataset is None:
@@ -318,6 +330,8 @@ class OdaTrainer(Trainer):
         self._eligible_since_log = 0
         self._updates_since_log = self._skipped_since_log = self._skipped_before_train = 0
         self._best_loaded_step = None   # the update count of a best checkpoint loaded at the end (`_load_best_model`)
+        self._counts_before_train = (0, 0)
+        self.add_callback(_CountPerAttempt(self))
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
@@ -404,6 +418,12 @@ class OdaTrainer(Trainer):
             logs["train_loss"] = self._train_loss(logs["train_loss"])
         super().log(logs, *args, **kwargs)
 
+    def _start_counting(self) -> None:
+        """At the start of each run of the training loop: the counts `train()` began with, nothing since the last log."""
+        self.skipped_updates, self.applied_updates = self._counts_before_train
+        self._skipped_before_train = self.skipped_updates
+        self._eligible_since_log = self._updates_since_log = self._skipped_since_log = 0
+
     def _train_loss(self, value: float) -> float:
         steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
         return _over_applied(value, steps, self.skipped_updates - self._skipped_before_train)
@@ -483,7 +503,7 @@ class OdaTrainer(Trainer):
             raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): "
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
-        self._skipped_before_train, self._updates_since_log, self._skipped_since_log = self.skipped_updates, 0, 0
+        self._counts_before_train = (self.skipped_updates, self.applied_updates)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
