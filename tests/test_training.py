@@ -535,23 +535,27 @@ class _OutOfMemoryOnce(OdaTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def test_counts_restart_with_the_training_loop_after_an_out_of_memory_retry(tmp_path):
-    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error: the skipped and
-    applied updates of the failed attempt counted on (train_loss NaN, the first loss line rescaled by 7 / 3 updates
-    applied instead of 4 / 2). SGD at learning rate 1e-30, so the retry must log exactly what a run at its batch size logs."""
+def test_an_out_of_memory_retry_trains_as_a_run_at_its_batch_size(tmp_path):
+    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error. It went on
+    from the failed attempt's head and Adam state (a head 0.049 away, Adam at step 3 for 2) with its update counts
+    (4 skipped / 3 applied for 2 / 2, train_loss NaN, the first loss line rescaled by 7/3 for 4/2), exit 0."""
     data = _rows([5, 5, 14, 13])   # the first two rows have no eligible position
     results = []
     for trainer_class, batch_size in ((_OutOfMemoryOnce, 2), (OdaTrainer, 1)):
         trainer = trainer_class(model=oda_model("qwen3", head=True), train_dataset=data, args=_trainer_args(
-            tmp_path, max_steps=4, logging_steps=4, learning_rate=1e-30, optim="sgd", per_device_train_batch_size=batch_size,
+            tmp_path, max_steps=4, logging_steps=4, per_device_train_batch_size=batch_size,
             auto_find_batch_size=batch_size == 2))
         output = trainer.train()
         logged = [{k: v for k, v in entry.items() if k in ("loss", "skipped_updates", "eligible_tokens")}
                   for entry in trainer.state.log_history if "loss" in entry]
-        results.append((trainer.skipped_updates, trainer.applied_updates, logged, output.training_loss))
+        steps = {int(state["step"]) for state in trainer.optimizer.state_dict()["state"].values()}
+        results.append((trainer.skipped_updates, trainer.applied_updates, logged, output.training_loss, steps,
+                        _head_state(trainer.oda_model)))
         if batch_size == 2:   # the retry ran, at batch size 1
             assert trainer.steps_at_two == 3 and trainer._train_batch_size == 1
-    assert results[0] == results[1] and results[1][:2] == (2, 2) and math.isfinite(results[1][3])
+    retried, plain = results
+    assert retried[:5] == plain[:5] and plain[:2] == (2, 2) and plain[4] == {2} and math.isfinite(plain[3])
+    assert all(torch.equal(retried[5][k], plain[5][k]) for k in plain[5])
 
 
 class _IterableRows(torch.utils.data.IterableDataset):

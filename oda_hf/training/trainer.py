@@ -36,6 +36,7 @@ What differs from a stock Trainer:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -254,16 +255,16 @@ class _SkipAwareScheduler:
         return getattr(self.__dict__["scheduler"], name)
 
 
-class _CountPerAttempt(TrainerCallback):
-    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error; the update
-    counts start again with each run of it (the failed attempt's made train_loss NaN and rescaled the first logged
-    loss, exit 0)."""
+class _RetryFromTheStart(TrainerCallback):
+    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error, from the head
+    and optimizer state the failed attempt left (its updates applied, Adam's moments and step counts on) and with its
+    update counts (train_loss NaN, the first logged loss rescaled): each run of the loop starts where `train()` did."""
 
     def __init__(self, trainer: "OdaTrainer"):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._start_counting()
+        self.trainer._start_attempt()
 
 
 def eval_sets(eval_dataset) -> dict:
@@ -330,8 +331,8 @@ class OdaTrainer(Trainer):
         self._eligible_since_log = 0
         self._updates_since_log = self._skipped_since_log = self._skipped_before_train = 0
         self._best_loaded_step = None   # the update count of a best checkpoint loaded at the end (`_load_best_model`)
-        self._counts_before_train = (0, 0)
-        self.add_callback(_CountPerAttempt(self))
+        self._counts_before_train, self._attempt_start = (0, 0), None
+        self.add_callback(_RetryFromTheStart(self))
         from .supervision_cache import base_fingerprint
 
         self.supervision_settings = {
@@ -418,8 +419,18 @@ class OdaTrainer(Trainer):
             logs["train_loss"] = self._train_loss(logs["train_loss"])
         super().log(logs, *args, **kwargs)
 
-    def _start_counting(self) -> None:
-        """At the start of each run of the training loop: the counts `train()` began with, nothing since the last log."""
+    def _start_attempt(self) -> None:
+        """At the start of each run of the training loop: the head, optimizer state and counts its first run began
+        with (after a checkpoint's were loaded), nothing since the last log."""
+        head, optimizer = self.oda_model.recall_head, self.optimizer
+        if self._attempt_start is None:
+            self._attempt_start = ({k: v.detach().clone() for k, v in head.state_dict().items()},
+                                   copy.deepcopy(optimizer.state_dict()))
+        else:
+            logger.warning("Training again from the start at batch size %d (auto_find_batch_size).",
+                           self._train_batch_size)
+            head.load_state_dict(self._attempt_start[0])
+            optimizer.load_state_dict(self._attempt_start[1])
         self.skipped_updates, self.applied_updates = self._counts_before_train
         self._skipped_before_train = self.skipped_updates
         self._eligible_since_log = self._updates_since_log = self._skipped_since_log = 0
@@ -503,7 +514,7 @@ class OdaTrainer(Trainer):
             raise ValueError(f"{resume_from_checkpoint} holds no optimizer state (saved with save_only_model=True?): "
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
-        self._counts_before_train = (self.skipped_updates, self.applied_updates)
+        self._counts_before_train, self._attempt_start = (self.skipped_updates, self.applied_updates), None
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
