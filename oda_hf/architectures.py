@@ -92,14 +92,14 @@ def resolve_architecture(model) -> ArchitectureSpec:
     spec = SUPPORTED_ARCHITECTURES.get(model_type)
     if spec is None:
         mixed = len(set(layer_types) - {"dummy"}) > 1
-        logger.warning(
-            f"Model type {model_type!r} is not among oda_hf's tested architectures ({supported}). Its layers look "
-            "compatible, so ODA will run, but check always-Full routing against stock generate() before trusting it."
-        )
         spec = ArchitectureSpec(model_type, accepts_mask_dict=mixed,
                                 logit_softcap_attr="final_logit_softcapping"
                                 if getattr(config, "final_logit_softcapping", None) else None)
         _check_logits_from_hidden(model, spec)
+        logger.warning(
+            f"Model type {model_type!r} is not among oda_hf's tested architectures ({supported}). Its layers look "
+            "compatible, so ODA will run, but check always-Full routing against stock generate() before trusting it."
+        )
     if not spec.accepts_mask_dict and set(layer_types) - {"full_attention", "dummy"}:
         raise ValueError(
             f"{spec.family} with non-global layers ({sorted(set(layer_types))}) is not supported: its decoder takes "
@@ -124,7 +124,12 @@ def _check_logits_from_hidden(model, spec: ArchitectureSpec) -> None:
     try:
         with torch.no_grad():
             stock = model(input_ids=ids, use_cache=False).logits
-            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = getattr(model.get_decoder()(input_ids=ids, use_cache=False), "last_hidden_state", None)
+            if hidden is None:   # (Llama 4's get_decoder() is the whole model, which returns logits)
+                raise ValueError(
+                    f"Model type {config.model_type!r}: its get_decoder() does not return the final hidden states "
+                    "(no last_hidden_state), which ODA reads every step. This type is not supported; supported model "
+                    "types: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")
             ours = model.get_output_embeddings()(hidden)
     finally:
         model.train(training)

@@ -1,5 +1,6 @@
 """User-facing API: loading, routing statistics, and clear errors for what ODA does not do."""
 
+import logging
 import pytest
 import torch
 import transformers
@@ -362,3 +363,18 @@ def test_untested_architecture_whose_logits_are_scaled_is_refused(family):
         base = transformers.CohereForCausalLM(transformers.CohereConfig(**common, logit_scale=0.0625)).eval()
     with pytest.raises(ValueError, match="otherwise than lm_head.*(logits_scaling|logit_scale)"):
         OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="full"))
+
+
+def test_untested_architecture_without_final_hidden_states_is_refused(caplog):
+    """Llama 4's get_decoder() is the whole model, which returns logits: construction said "ODA will run" and then
+    failed with an AttributeError about `last_hidden_state`."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_hidden_layers=4, pad_token_id=0, attention_chunk_size=6,
+        num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2)
+    config._attn_implementation = "sdpa"
+    base = transformers.Llama4ForCausalLM(config).eval()
+    with caplog.at_level(logging.WARNING), \
+            pytest.raises(ValueError, match="'llama4_text': its get_decoder\\(\\) does not return the final hidden"):
+        OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="full"))
+    assert "ODA will run" not in caplog.text
