@@ -40,6 +40,8 @@ def check_model_supported(oda_model) -> None:
     layer_types, _ = get_layer_types_and_kwargs(config)
     others = sorted(set(layer_types) - set(FAST_PATH_LAYER_TYPES))
     if others:
+        # ("dummy" is transformers' cache name for Gemma 4's layers that reuse another layer's keys and values)
+        others = ["KV-sharing" if kind == "dummy" else kind for kind in others]
         raise FastPathUnsupported(
             f"This {model_type!r} model has {others} layers: not supported by the fast path, whose engine manages "
             "full-attention and sliding-window layers only (recurrent hybrids such as Qwen3.5 are not). Use the HF "
