@@ -331,13 +331,15 @@ admitted, other_admitted = admission(config), admission(other)
 # an engine with a head whose default policy does not ask it: a threshold without a policy would go unread
 unread = admission(engine_config(head="/heads/h", policy="local"), {"oda_threshold": 0.3})
 check_engine_features(config)   # what the model checks at engine start, on vLLM's own config objects
-try:
-    check_engine_features(engine_config(kv_cache_dtype="fp8"))
-    fp8 = "served"
-except ValueError as err:
-    fp8 = str(err)
+def refusal(**settings):
+    try:
+        check_engine_features(engine_config(**settings))
+        return "served"
+    except ValueError as err:
+        return str(err)
 print(json.dumps([config.cache_config.mamba_ssm_cache_dtype, sorted(config.model_config.hf_text_config.rope_parameters),
-                  admitted, other_admitted, fp8, unread]))
+                  admitted, other_admitted, refusal(kv_cache_dtype="fp8"), unread, refusal(kv_cache_dtype="float16"),
+                  refusal(kv_cache_dtype="bfloat16")]))
 """
 
 
@@ -350,7 +352,8 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     process that has the other setting (a process-wide note had let such requests through to a headless engine,
     which they stopped). The engine-start check refuses a quantized KV cache from vLLM's own config: measured before,
     with kv_cache_dtype="fp8" on the CPU build, always-Local read the kernels' quantized bytes as numbers (tokens
-    unlike stock vLLM's from the second on, exit 0)."""
+    unlike stock vLLM's from the second on, exit 0); and a cache in another float dtype than the model's (float16
+    beside bfloat16: other Local tokens from the second on, exit 0)."""
     config = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
@@ -366,7 +369,10 @@ def test_an_engine_configured_by_hand_is_configured_as_engine_args_does(tmp_path
     proc = subprocess.run([VLLM_PYTHON, "-c", HAND_CONFIG_PROBE, str(tmp_path), "/heads/h" if with_head else ""],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dtype, rope, admitted, other_admitted, fp8, unread = json.loads(proc.stdout.strip().splitlines()[-1])
+    dtype, rope, admitted, other_admitted, fp8, unread, float16, bfloat16 = json.loads(
+        proc.stdout.strip().splitlines()[-1])
+    # a cache in another float dtype than the model's (bfloat16 here) too: the CPU kernels write the model's dtype
+    assert "not kv_cache_dtype='float16' beside a bfloat16 model" in float16 and bfloat16 == "served"
     assert "default policy does not ask the head" in unread
     assert dtype == "float32" and rope == ["partial_rotary_factor", "rope_theta", "rope_type"]
     assert "ODA does not serve with a quantized KV cache (kv_cache_dtype='fp8')" in fp8

@@ -604,6 +604,8 @@ def test_engine_args_refuse_speculative_decoding():
 def test_engine_args_refuse_a_quantized_kv_cache():
     with pytest.raises(ValueError, match="quantized KV cache \\(kv_cache_dtype='fp8'\\).*kv_cache_dtype='auto'"):
         engine_args("any-folder", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="not kv_cache_dtype='float16' beside a bfloat16 model"):
+        engine_args("any-folder", kv_cache_dtype="float16", dtype="bfloat16")
 
 
 def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
@@ -612,22 +614,26 @@ def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
     from oda_hf.vllm.settings import check_engine_features
 
     def config(speculative=None, stages=1, prompt_embeds=False, cache_dtype="auto", dcp=1, pcp=1, dbo=False,
-               async_scheduling=None):
+               async_scheduling=None, dtype=torch.bfloat16):
         return SimpleNamespace(speculative_config=speculative,
                                parallel_config=SimpleNamespace(pipeline_parallel_size=stages,
                                                                decode_context_parallel_size=dcp,
                                                                prefill_context_parallel_size=pcp, enable_dbo=dbo),
-                               model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds),
+                               model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds, dtype=dtype),
                                cache_config=SimpleNamespace(cache_dtype=cache_dtype),
                                scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
-    for fine in ("auto", "bfloat16", "float32"):
+    for fine in ("auto", "bfloat16"):
         check_engine_features(config(cache_dtype=fine))
+    check_engine_features(config(cache_dtype="float32", dtype=torch.float32))
     check_engine_features(config(async_scheduling=False))
     for bad, message in ((config(speculative={"method": "ngram"}), "speculative decoding"),
                          (config(stages=2), "pipeline_parallel_size=2"),
                          (config(prompt_embeds=True), "without enable_prompt_embeds"),
                          (config(cache_dtype="fp8_e5m2"), "quantized KV cache .kv_cache_dtype='fp8_e5m2'"),
+                         # vLLM's CPU kernels write the model's dtype into such a cache: Local read it as the other
+                         (config(cache_dtype="float16"), "kv_cache_dtype='float16' beside a bfloat16 model"),
+                         (config(cache_dtype="bfloat16", dtype=torch.float32), "'bfloat16' beside a float32 model"),
                          # not refused before (read in vLLM's GPU path; none runs on CPU): Local would read a
                          # rank's share of the positions; DBO splits the routed batch; async scheduling plans a step
                          # before the last one's tokens are known, and engine_args' setting could be overridden

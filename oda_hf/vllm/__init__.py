@@ -128,7 +128,7 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     from .settings import ServingSettings, check_no_speculative_decoding, check_unquantized_kv_cache
 
     check_no_speculative_decoding(vllm_kwargs.get("speculative_config"))
-    check_unquantized_kv_cache(vllm_kwargs.get("kv_cache_dtype"))
+    check_unquantized_kv_cache(vllm_kwargs.get("kv_cache_dtype"), vllm_kwargs.get("dtype"))   # (also at start)
     folder = os.path.abspath(os.fspath(resolve_base(base)))
     settings = ServingSettings.resolve(head, sinks, window, threshold, policy)
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"   # ODA's runner extends the V1 runner

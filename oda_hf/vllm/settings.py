@@ -67,21 +67,31 @@ def check_no_speculative_decoding(speculative_config) -> None:
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
-def check_unquantized_kv_cache(cache_dtype) -> None:
+def check_unquantized_kv_cache(cache_dtype, model_dtype=None) -> None:
     """ValueError for a quantized KV cache (``kv_cache_dtype="fp8"`` and kin): vLLM's kernels store it in their own
     packed format with per-layer scales, which ODA's Local attention (a gather from the paged cache) does not decode,
-    so every Local step would attend to wrong keys and values while the engine ran on."""
+    so every Local step would attend to wrong keys and values while the engine ran on. So for a cache in another
+    float dtype than the model's (when `model_dtype` is known): vLLM's CPU kernels write the model's dtype into it,
+    and Local read those bytes as the cache's dtype (a bfloat16 model with kv_cache_dtype="float16": other Local
+    tokens from the second on; a float32 model with a bfloat16 cache: NaN, exit 0)."""
     if cache_dtype is not None and str(cache_dtype) not in UNQUANTIZED_KV_CACHE_DTYPES:
         raise ValueError(f"ODA does not serve with a quantized KV cache (kv_cache_dtype={cache_dtype!r}): its Local "
                          "attention reads keys and values straight from the paged cache and does not decode the "
                          "kernels' quantized format. Start the engine with kv_cache_dtype='auto'.")
+    model = str(model_dtype).removeprefix("torch.") if model_dtype is not None else None
+    if cache_dtype not in (None, "auto") and model in UNQUANTIZED_KV_CACHE_DTYPES and str(cache_dtype) != model:
+        raise ValueError(f"ODA serves with the KV cache in the model's dtype, not kv_cache_dtype={cache_dtype!r} "
+                         f"beside a {model} model: vLLM's CPU kernels write {model} keys and values into it, which "
+                         "ODA's Local attention would read as another dtype. Start the engine with "
+                         "kv_cache_dtype='auto'.")
 
 
 def check_engine_features(vllm_config) -> None:
     """ValueError at engine start for what ODA's routed step cannot serve, rather than at the first request that
     needs it, where the error would stop the engine with every request in it, or than serving wrong tokens."""
     check_no_speculative_decoding(getattr(vllm_config, "speculative_config", None))
-    check_unquantized_kv_cache(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None))
+    check_unquantized_kv_cache(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None),
+                               getattr(getattr(vllm_config, "model_config", None), "dtype", None))
     parallel = getattr(vllm_config, "parallel_config", None)
     stages = getattr(parallel, "pipeline_parallel_size", 1)
     if stages and stages > 1:
