@@ -360,6 +360,11 @@ def test_engine_args_refuse_what_would_change_results(tmp_path):
         tmp_path / "small_head")
     with pytest.raises(ValueError, match="trained for another/base and does not fit"):
         engine_args("organism", head=str(tmp_path / "small_head"))
+    # ODA's own override keys were replaced by engine_args' without a word (asked window 32, policy local; served 16,
+    # head)
+    for key in ("oda", "architectures"):
+        with pytest.raises(ValueError, match=f"engine_args sets hf_overrides\\[{key!r}\\] itself.*window="):
+            engine_args("organism", hf_overrides={key: {"window": 32}, "rope_theta": 5000.0})
 
 
 def test_qwen3_5_gets_what_vllm_gives_its_own_class(tmp_path):

@@ -135,6 +135,10 @@ def engine_args(base: str, head: str | None = None, *, sinks: int | None = None,
     if settings.head is not None:
         check_head_fits(settings.head, folder)
     overrides = dict(vllm_kwargs.pop("hf_overrides", None) or {})
+    for key in ("oda", "architectures"):   # (replaced below: a caller's own were dropped without a word)
+        if key in overrides:
+            raise ValueError(f"engine_args sets hf_overrides[{key!r}] itself; pass ODA's settings as its arguments "
+                             "(head=, sinks=, window=, threshold=, policy=), not inside hf_overrides.")
     architecture = oda_architecture(folder)
     overrides.update(architectures=[architecture], oda=settings.to_override())
     kwargs = dict(model=folder, hf_overrides=overrides, worker_cls=worker_class_name())
