@@ -666,10 +666,14 @@ def test_oda_serve_refuses_flags_that_would_replace_its_own(monkeypatch):
                   ["--hf-override", "{}"], ["--worker-cl", "x.Worker"], ["--mode", "other"]):
         with pytest.raises(ValueError, match="would replace what `oda serve` sets itself"):
             serve_argv(args, ["--max-model-len", "512", *flags])
+    # vLLM's API server module, which `oda serve` runs, does not read --api-server-count (one process served, silently)
+    for flags in (["--api-server-count", "2"], ["--api_server_count=4"], ["-asc", "2"], ["--api-server-c", "2"]):
+        with pytest.raises(ValueError, match="--api-server-count [24] after `--`: `oda serve` runs one API server"):
+            serve_argv(args, ["--max-model-len", "512", *flags])
     # flags that only begin like ODA's are the user's
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
-    argv = serve_argv(args, ["--model-impl", "transformers", "--max-model-len", "512"])
-    assert argv[-4:] == ["--model-impl", "transformers", "--max-model-len", "512"]
+    argv = serve_argv(args, ["--model-impl", "transformers", "--max-model-len", "512", "--api-server-count", "1"])
+    assert argv[-6:] == ["--model-impl", "transformers", "--max-model-len", "512", "--api-server-count", "1"]
 
 
 def test_an_engine_threshold_beside_a_budget_with_its_own_is_refused(tmp_path):

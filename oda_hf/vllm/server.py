@@ -401,11 +401,26 @@ def _own_flag(arg: str) -> str | None:
     return None
 
 
+def _api_server_count(passthrough: list[str]) -> str | None:
+    """The value given to vLLM's ``--api-server-count`` (``-asc``, ``_`` for ``-``, an abbreviation), if any."""
+    for i, arg in enumerate(passthrough):
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name == "-asc" or (name.startswith("--api-s") and "--api-server-count".startswith(name)):
+            return value if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
+    return None
+
+
 def check_passthrough(passthrough: list[str]) -> None:
     for arg in passthrough:
         if (flag := _own_flag(arg)) is not None:
             raise ValueError(f"{arg.split('=', 1)[0]} after `--` sets {flag}, which would replace what `oda serve` "
                              f"sets itself (ODA's model class and settings); use {OWN_FLAGS[flag]} instead.")
+    count = _api_server_count(passthrough)
+    if count is not None and count.strip() != "1":
+        raise ValueError(f"--api-server-count {count} after `--`: `oda serve` runs one API server process (vLLM's "
+                         "API server module, which does not read that flag, so it would have been ignored). Remove "
+                         "it; one API server serves every engine, with data parallelism too.")
 
 
 def serve_argv(args, passthrough: list[str]) -> list[str]:
