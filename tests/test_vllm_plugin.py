@@ -338,7 +338,7 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     invocations = seen["invocations"]
     assert [invocations[name][0] for name in ("top_level", "beam")] == [400, 400], invocations
     assert "inside vllm_xargs" in invocations["top_level"][1]["error"]["message"]
-    for name, policy in [("completion", "local"), ("chat", "full")]:
+    for name, policy in [("completion", "local"), ("chat", "full"), ("fallback", "local")]:
         status, answer = invocations[name]
         (record,) = answer["oda_routing"]["requests"].values()
         assert status == 200 and (record["policy"], record["routed_steps"]) == (policy, 3), invocations[name]
@@ -348,6 +348,9 @@ def test_openai_server_with_oda(gqa3, tmp_path):
     assert next(iter(listed["requests"].values()))["policy"] == "local"
     status, (found, listed) = seen["responses_by_id"]   # the Responses API's "<id>_0" found by its id
     assert status == found == 200 and [r["policy"] for r in listed["requests"].values()] == ["local"], listed
+    status, response_id, (found, listed) = seen["responses_by_own_id"]   # also by a request_id the caller chose
+    assert status == found == 200 and response_id == "myresp-x", (status, response_id, found, listed)
+    assert [r["policy"] for r in listed["requests"].values()] == ["local"], listed
 
 
 def test_data_parallel_servers_keep_the_records_of_every_engine(gqa3, tmp_path):

@@ -282,7 +282,9 @@ def test_records_of_a_request_include_its_samples_and_sub_requests():
     engine_ids = ["1-92cc8161", "0_1-92cc8161", "1_1-92cc8161", "11-0a0b0c0d", "0_11-0a0b0c0d",  # offline ids
                   "cmpl-ab-0-12345678", "cmpl-ab-1-12345678", "0_cmpl-ab-1-12345678", "cmpl-abc-12345678",
                   "chatcmpl-x-12345678", "1_chatcmpl-x-12345678", "chatcmpl-x_1-12345678",
-                  "chatcmpl-x-2-9abcdef0", "cmpl-ab_3-9abcdef0"]   # other callers' ids (X-Request-Id x-2, ab_3)
+                  "chatcmpl-x-2-9abcdef0", "cmpl-ab_3-9abcdef0",   # other callers' ids (X-Request-Id x-2, ab_3)
+                  "myresp-x_0-9abcdef0", "resp_q_0-9abcdef0", "resp_q-1-9abcdef0",   # Responses API ids
+                  "generative-scoring-g-0-9abcdef0", "generative-scoring-g_1-9abcdef0"]
     records = {external_request_id(rid): rid for rid in engine_ids}
     assert records_of(records, "1") == {"1": "1-92cc8161", "0_1": "0_1-92cc8161", "1_1": "1_1-92cc8161"}
     assert list(records_of(records, "11")) == ["11", "0_11"]   # not the samples of "1", nor "1"'s
@@ -290,6 +292,11 @@ def test_records_of_a_request_include_its_samples_and_sub_requests():
     assert list(_matching(records, "cmpl-ab")) == ["cmpl-ab-0", "cmpl-ab-1", "0_cmpl-ab-1"]  # not cmpl-abc
     assert list(_matching(records, "chatcmpl-x")) == ["chatcmpl-x", "1_chatcmpl-x", "chatcmpl-x_1"]  # not x-2
     assert records_of(records, "2") == {}
+    # a Responses API request_id the caller chose is taken as given, its prompt's request `<id>_0` (GET by the id
+    # answered 404); vLLM's own `resp_` ids only so, and generative scoring's `<id>-<i>`
+    assert list(_matching(records, "myresp-x")) == ["myresp-x_0"]
+    assert list(_matching(records, "resp_q")) == ["resp_q_0"]
+    assert list(_matching(records, "generative-scoring-g")) == ["generative-scoring-g-0"]
 
 
 def test_summary_is_json_safe():

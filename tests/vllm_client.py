@@ -145,7 +145,9 @@ def main(port: int, model: str, ids: list) -> None:
         "beam": {**plain_body, "use_beam_search": True, "n": 2},
         "completion": plain_body,
         "chat": {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-                 "vllm_xargs": {"oda_policy": "full"}}}.items()}
+                 "vllm_xargs": {"oda_policy": "full"}},
+        # messages the chat handler cannot read: vLLM serves the prompt as a completion
+        "fallback": {**plain_body, "messages": "not-a-list"}}.items()}
     # under --root-path: the same records and refusals
     prefixed = call(f"{base}/api/v1/completions", plain_body)
     seen["root_path"] = [prefixed[1].get("oda_routing"),
@@ -155,6 +157,11 @@ def main(port: int, model: str, ids: list) -> None:
     response = call(f"{base}/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 4,
                                              "vllm_xargs": {"oda_policy": "local"}})
     seen["responses_by_id"] = [response[0], call(f"{base}/v1/oda/routing?request_id={response[1]['id']}")[:2]]
+    # ... also under a request_id of the caller's, which vLLM takes as given (a GET by it answered 404)
+    response = call(f"{base}/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 4,
+                                             "request_id": "myresp-x", "vllm_xargs": {"oda_policy": "local"}})
+    seen["responses_by_own_id"] = [response[0], response[1].get("id"),
+                                   call(f"{base}/v1/oda/routing?request_id=myresp-x")[:2]]
     print(json.dumps(seen))
 
 

@@ -421,13 +421,20 @@ class FinishedRecords:
         return {rid: self.records[rid] for rid in sorted(set(engine_ids), key=self._added.__getitem__)}
 
 
+# How vLLM's OpenAI server names one prompt's engine request of a response, by the response id's prefix: ``<id>_<i>``
+# for chat and Responses API responses, ``<id>-<i>`` for completions and generative scoring.
+SUB_REQUEST_SEPARATORS = (("chatcmpl-", "_"), ("resp_", "_"), ("cmpl-", "-"), ("generative-scoring-", "-"))
+
+
 def _is_sub_request(rid: str, request_id: str) -> bool:
-    """Whether `rid` is one prompt's request of the OpenAI response `request_id`: ``<id>_<i>`` for a chat response
-    (``chatcmpl-...``) and a Responses API one (``resp_...``), ``<id>-<i>`` otherwise; never the other form (the
-    request of caller id ``job-2`` is no part of the chat response of ``job``)."""
+    """Whether `rid` is one prompt's request of the OpenAI response `request_id`, in the form its prefix has
+    (`SUB_REQUEST_SEPARATORS`), never the other (the request of caller id ``job-2`` is no part of the chat response
+    of ``job``). A response id of no such prefix is a caller's own Responses API ``request_id``, which vLLM takes as
+    given (``<id>_<i>``), or another's: either form (a caller's ``myresp-x`` answered 404 for its ``myresp-x_0``)."""
     rest = rid[len(request_id):] if rid.startswith(request_id) else ""
-    separator = "_" if request_id.startswith(("chatcmpl-", "resp_")) else "-"
-    return len(rest) > 1 and rest[0] == separator and rest[1:].isdigit()
+    separators = next((separator for prefix, separator in SUB_REQUEST_SEPARATORS if request_id.startswith(prefix)),
+                      "_-")
+    return len(rest) > 1 and rest[0] in separators and rest[1:].isdigit()
 
 
 def trimmed(record: dict, steps: int) -> dict:

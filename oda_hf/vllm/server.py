@@ -260,11 +260,16 @@ def route_path(scope: dict) -> str:
     return scope["path"].removeprefix(scope.get("root_path") or "")
 
 
-def served_as(path: str, body) -> str:
+def served_as(path: str, body, response=None) -> str:
     """The endpoint that serves a request of `path`: SageMaker's ``/invocations`` hands a body with ``messages`` to
-    the chat handler and any other to the completion handler (vLLM tries chat first)."""
+    the chat handler and any other to the completion handler; when the chat handler cannot read the body, vLLM falls
+    back to the completion one, so the JSON `response`'s ``object``, once known, tells (a body with ``messages``
+    served as a completion had no ``oda_routing``)."""
     if path != INVOCATIONS_PATH:
         return path
+    kind = response.get("object") if isinstance(response, dict) else None
+    if kind in ("text_completion", "chat.completion"):
+        return "/v1/completions" if kind == "text_completion" else "/v1/chat/completions"
     return "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
 
 
@@ -339,7 +344,7 @@ async def oda_routing_middleware(request, call_next):
                                     status_code=400)
             return await _through_vllm(request, call_next, refused)
     response = await call_next(request)
-    path = served_as(path, asked)
+    requested, path = path, served_as(path, asked)
     if path not in COMPLETION_PATHS or response.status_code != 200 or \
             not response.headers.get("content-type", "").startswith("application/json"):
         return response
@@ -348,7 +353,7 @@ async def oda_routing_middleware(request, call_next):
         data = json.loads(body)
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
-    response_id = str(data.get("id", ""))
+    response_id, path = str(data.get("id", "")), served_as(requested, asked, data)
     callers = response_caller_ids(path, data, (asked.get("n") or 1) if isinstance(asked, dict) else 1)
     if callers is not None:
         mine = _newest_per_caller((await _stats(request.app, caller_ids=callers))["requests"])
