@@ -618,6 +618,12 @@ def test_engine_args_refuse_a_quantized_kv_cache():
         engine_args("any-folder", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="not kv_cache_dtype='float16' beside a bfloat16 model"):
         engine_args("any-folder", kv_cache_dtype="float16", dtype="bfloat16")
+    with pytest.raises(ValueError, match="not kv_cache_dtype='bfloat16' beside a float16 model"):
+        engine_args("any-folder", kv_cache_dtype="bfloat16", dtype="half")   # vLLM's alias
+    from oda_hf.vllm.settings import check_unquantized_kv_cache
+
+    for model in ("auto", None, "half", "float16"):   # the model's dtype not known yet (checked at start), or equal
+        check_unquantized_kv_cache("float16", model)
 
 
 def test_engine_features_odas_step_cannot_serve_are_refused_at_start():
