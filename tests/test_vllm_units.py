@@ -1229,7 +1229,8 @@ def test_the_server_reads_the_records_of_every_data_parallel_engine(monkeypatch)
 
     async def call_utility_all_async(method, name, timeout, args, kwargs):   # one answer per engine: its TP workers'
         assert (method, name) == ("collective_rpc", "oda_routing_stats")
-        return [[engine.oda_routing_stats(**(kwargs or {}))] * 2 for engine in engines]
+        # (rank 1's answer differs, as TP ranks' scores may in rounding: rank 0's is the one kept)
+        return [[engine.oda_routing_stats(**(kwargs or {})), {"requests": {}, "evicted": {}}] for engine in engines]
 
     async def collective_rpc(name, kwargs=None):   # vLLM's: the first engine's only
         return [engines[0].oda_routing_stats(**(kwargs or {}))]
@@ -1243,3 +1244,100 @@ def test_the_server_reads_the_records_of_every_data_parallel_engine(monkeypatch)
     assert (total["full_calls"], total["decided_steps"], total["routed_steps"]) == (7 + 0 + 1, 7 + 4 + 6, 7 + 4 + 6)
     core.core_engines = [b"\x00\x00"]   # one engine: read as before
     assert list(asyncio.run(_stats(app))["requests"]) == ["cmpl-a-0-1a2b3c4d"]
+
+
+# -- boundaries a mutation audit of the plugin's pure-Python parts found unpinned ------------------------------------
+def test_knob_and_draw_boundaries():
+    from oda_hf.policies import HeadPolicy, RandomPolicy, within_budget
+
+    default = RequestRouting("head", 0.2)
+    for near_miss in ("odPolcy", "odxpolicyab"):   # at the length bound (2 letters), at 80% alike
+        with pytest.raises(ValueError, match=f"Unknown ODA request key\\(s\\) '{near_miss}'"):
+            request_routing({near_miss: "local"}, default)
+    # Random: Full when the step's draw is below p, so a draw equal to p stays Local (both paths)
+    draw = torch.rand(1, generator=torch.Generator().manual_seed(7)).item()
+    above = torch.nextafter(torch.tensor(draw), torch.tensor(1.0)).item()   # (the draws are float32)
+    for p, full in ((draw, False), (above, True)):
+        assert RequestState(RequestRouting("random", p=p, seed=7)).predecided(1) is full
+        assert RandomPolicy(p, seed=7).decide(None, 1, 1, "cpu").tolist() == [full]
+    assert HeadPolicy().decide(torch.tensor([0.5]), 1, 1, "cpu").tolist() == [True]   # routing threshold 0 by default
+    # a budget's rate is the decimal it is written as: 5,256 calls + 1 within 0.5257 of 10,000 steps exactly
+    assert within_budget(5256, 10000, 0.5257) and within_budget(6290, 100000, 0.06291)
+    assert not within_budget(5257, 10000, 0.5257)
+
+
+def test_record_arithmetic_and_ids():
+    from oda_hf.vllm.requests import external_request_id, replay_flags, sample_of, trimmed
+
+    state = RequestState(RequestRouting("head"))
+    state.record(False, decided_step=False)   # within sinks + window: not a decided step
+    state.record(True, 0.9)
+    assert state.summary()["full_call_rate"] == 1.0   # Full calls / decided steps, not routed ones
+    state = RequestState(RequestRouting("full"))
+    state.record(True)
+    state.recomputed_tokens = 3
+    assert state.next_turn(RequestRouting("full"), 10).summary()["recomputed_tokens"] == 3   # earlier turns count
+    for _ in range(2):
+        state.record(True)
+    cut = trimmed(state.summary(), -1)   # no token returned
+    assert (cut["routed_steps"], cut["decisions"]) == (0, [])
+    # a recomputed chunk attends Local at a position p exactly when p + 1 > sinks + window (span), as decoding did
+    def local(steps, turn_prompt=None):
+        state = RequestState(RequestRouting("local"))
+        for _ in range(steps):
+            state.record(False)
+        return state if turn_prompt is None else state.next_turn(RequestRouting("local"), turn_prompt)
+
+    assert replay_flags(local(3), prompt=10, first=8, count=4, span=4) == ([False, False, True, True], False)
+    assert replay_flags(local(3, turn_prompt=4), prompt=10, first=4, count=3, span=5) == ([False, True, True], False)
+    assert replay_flags(local(3), prompt=10, first=10, count=3, span=11) == ([False, True, True], False)
+    newest = local(2)   # the chunk reaches a new step, past span by one: decided
+    assert replay_flags(newest, prompt=10, first=10, count=3, span=12) == ([False, False, True], False)
+    assert newest.decided_steps == 3
+    # engine ids are the caller's plus "-<8 hex digits>"; samples "<k>_<id>", whatever the id holds
+    assert external_request_id("job-0123456789") == "job-0123456789" and external_request_id("job-requests") == \
+        "job-requests" and external_request_id("job-0123abcd") == "job"
+    assert sample_of("1_chatcmpl-x_0-1a2b3c4d") == (1, "chatcmpl-x_0-1a2b3c4d")
+
+
+def test_returned_counts_keep_the_newest(monkeypatch):
+    from collections import OrderedDict
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import note_returned, returned_tokens
+
+    monkeypatch.setattr(requests_module, "_RETURNED", OrderedDict())
+    monkeypatch.setattr(requests_module, "FINISHED_KEPT", 2)
+    note_returned("a", 3)
+    note_returned("b", 4)
+    assert returned_tokens("a") == 3   # as many as kept: none forgotten
+    note_returned("c", 5)
+    assert returned_tokens("a") is None and returned_tokens("b") == 4
+
+
+def test_serving_settings_request_checks_and_offline_ids(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import oda_hf.vllm as plugin
+    from oda_hf import RecallHead, RecallHeadConfig
+    from oda_hf.vllm import _caller_ids, routing_stats
+    from oda_hf.vllm.server import refusal
+
+    RecallHead(RecallHeadConfig(hidden_size=8, head_width=4)).save_pretrained(tmp_path / "head")
+    assert ServingSettings.resolve(str(tmp_path / "head")).default_routing.policy == "head"   # a head: its policy
+    with pytest.raises(ValueError, match="policy 'budget' needs a recall head"):
+        ServingSettings.resolve(policy="budget:0.5")
+    assert "does not route beam search" in refusal({"prompt": "x", "use_beam_search": 1})   # pydantic reads 1 as true
+    # offline: one sample of index 1 (a streamed n > 1 output) is that sample's request only
+    assert _caller_ids(SimpleNamespace(request_id="r", outputs=[SimpleNamespace(index=1)])) == ["1_r"]
+
+    class Gone:   # an engine that no longer keeps the output's record
+        def collective_rpc(self, name, kwargs=None):
+            return [{"requests": {}, "evicted": {}}]
+
+    output = SimpleNamespace(request_id="gone", outputs=[SimpleNamespace(index=0, token_ids=[1, 2])])
+    with pytest.raises(KeyError, match="no ODA routing record of requests \\['gone'\\]"):
+        routing_stats(Gone(), [output])
+    # engine_args' GPU settings are defaults: the caller's own win
+    monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaGPUWorker")
+    assert plugin.engine_args("organism", policy="local", enforce_eager=False)["enforce_eager"] is False
