@@ -49,15 +49,17 @@ def one_update(reduction: str, per_device_batch: int, output_dir: str) -> dict:
     return {k: v.detach().clone() for k, v in head.state_dict().items()}
 
 
-def evaluation(output_dir: str) -> dict:
-    """`evaluate()` of a fixed head on the first 3 rows, one per device batch."""
+def evaluation(output_dir: str, dispatch_batches: bool = False) -> dict:
+    """`evaluate()` of a fixed head on 3 rows, one per device batch (with accelerate's `dispatch_batches`, 3 equal
+    rows: the dispatcher collates them on one process)."""
     torch.manual_seed(1)
     base = tiny_model("qwen3")
     model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
                            OdaConfig(sinks=SINKS, window=WINDOW))
     args = OdaTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=1, use_cpu=True, disable_tqdm=True,
-                                report_to=[])
-    metrics = OdaTrainer(model=model, args=args, eval_dataset=PackedDataset(rows()[:1] + rows()[2:])).evaluate()
+                                report_to=[], accelerator_config={"dispatch_batches": dispatch_batches})
+    data = rows()[:1] * 3 if dispatch_batches else rows()[:1] + rows()[2:]
+    metrics = OdaTrainer(model=model, args=args, eval_dataset=PackedDataset(data)).evaluate()
     return {key: torch.tensor(float(metrics[key])) for key in ("eval_loss", "eval_eligible_tokens")}
 
 
@@ -65,6 +67,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         results = {reduction: one_update(reduction, 1, tmp) for reduction in ("micro", "step")}
         results["eval"] = evaluation(tmp)
+        results["eval_dispatched"] = evaluation(tmp, dispatch_batches=True)
     if int(os.environ.get("RANK", "0")) == 0:
         safetensors.torch.save_file({f"{reduction}/{name}": tensor for reduction, state in results.items()
                                      for name, tensor in state.items()}, sys.argv[1])

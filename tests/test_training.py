@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import socket
@@ -233,6 +234,8 @@ def test_two_process_data_parallel_equals_one_process(tmp_path):
     single_eval = ddp_head_worker.evaluation(str(tmp_path / "eval"))
     assert float(ddp["eval"]["eval_eligible_tokens"]) == float(single_eval["eval_eligible_tokens"]) == 24
     torch.testing.assert_close(ddp["eval"]["eval_loss"], single_eval["eval_loss"])
+    single_eval = ddp_head_worker.evaluation(str(tmp_path / "eval"), dispatch_batches=True)   # (40 of 30 counted)
+    assert float(ddp["eval_dispatched"]["eval_eligible_tokens"]) == float(single_eval["eval_eligible_tokens"]) == 30
     for reduction in ("micro", "step"):
         single = ddp_head_worker.one_update(reduction, 2, str(tmp_path / reduction))
         for name, value in single.items():
@@ -535,7 +538,7 @@ class _OutOfMemoryOnce(OdaTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def test_an_out_of_memory_retry_trains_as_a_run_at_its_batch_size(tmp_path):
+def test_an_out_of_memory_retry_trains_as_a_run_at_its_batch_size(tmp_path, caplog):
     """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error. It went on
     from the failed attempt's head and Adam state (a head 0.049 away, Adam at step 3 for 2) with its update counts
     (4 skipped / 3 applied for 2 / 2, train_loss NaN, the first loss line rescaled by 7/3 for 4/2), exit 0."""
@@ -545,7 +548,11 @@ def test_an_out_of_memory_retry_trains_as_a_run_at_its_batch_size(tmp_path):
         trainer = trainer_class(model=oda_model("qwen3", head=True), train_dataset=data, args=_trainer_args(
             tmp_path, max_steps=4, logging_steps=4, per_device_train_batch_size=batch_size,
             auto_find_batch_size=batch_size == 2))
-        output = trainer.train()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="oda_hf"):
+            output = trainer.train()
+        assert trainer._attempt_start is None   # the snapshot (on the CPU) is dropped when train() returns
+        assert ("Training again from the start at batch size 1" in caplog.text) == (batch_size == 2)
         logged = [{k: v for k, v in entry.items() if k in ("loss", "skipped_updates", "eligible_tokens")}
                   for entry in trainer.state.log_history if "loss" in entry]
         steps = {int(state["step"]) for state in trainer.optimizer.state_dict()["state"].values()}
@@ -574,7 +581,7 @@ def test_an_iterable_eval_set_is_refused_over_several_processes(tmp_path, monkey
                      train_dataset=_rows([14, 12]))
     assert one.evaluate(iterable)["eval_eligible_tokens"] > 0   # one process: read as it comes
     monkeypatch.setattr(OdaTrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="An iterable eval dataset \\(_IterableRows\\) cannot be evaluated over 2"):
+    with pytest.raises(ValueError, match="An iterable dataset \\(_IterableRows\\) cannot be evaluated over 2"):
         one.evaluate(iterable)
     args = _trainer_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
     evaluating = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=_rows([14, 12]),

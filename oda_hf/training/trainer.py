@@ -256,15 +256,26 @@ class _SkipAwareScheduler:
 
 
 class _RetryFromTheStart(TrainerCallback):
-    """`auto_find_batch_size` reruns the training loop at a smaller batch after an out-of-memory error, from the head
-    and optimizer state the failed attempt left (its updates applied, Adam's moments and step counts on) and with its
-    update counts (train_loss NaN, the first logged loss rescaled): each run of the loop starts where `train()` did."""
+    """Starts each run of the training loop where `train()` did (`OdaTrainer._start_attempt`): `auto_find_batch_size`
+    reruns the loop at a smaller batch after an out-of-memory error, which transformers continues from the failed
+    attempt's head, optimizer state and (ODA's) update counts."""
 
     def __init__(self, trainer: "OdaTrainer"):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._start_attempt()
+
+
+def _on_cpu(value):
+    """A copy of `value` (dicts, lists and tuples of tensors and plain values) with its tensors on the CPU."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def eval_sets(eval_dataset) -> dict:
@@ -420,17 +431,19 @@ class OdaTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def _start_attempt(self) -> None:
-        """At the start of each run of the training loop: the head, optimizer state and counts its first run began
-        with (after a checkpoint's were loaded), nothing since the last log."""
+        """At the start of each run of the training loop: the counts its first run began with, nothing since the last
+        log; under `auto_find_batch_size` also the head and optimizer state (after a checkpoint's were loaded), kept
+        on the CPU until `train()` returns."""
         head, optimizer = self.oda_model.recall_head, self.optimizer
-        if self._attempt_start is None:
-            self._attempt_start = ({k: v.detach().clone() for k, v in head.state_dict().items()},
-                                   copy.deepcopy(optimizer.state_dict()))
+        if not self.args.auto_find_batch_size or optimizer is None:
+            pass
+        elif self._attempt_start is None:
+            self._attempt_start = (_on_cpu(head.state_dict()), _on_cpu(optimizer.state_dict()))
         else:
             logger.warning("Training again from the start at batch size %d (auto_find_batch_size).",
                            self._train_batch_size)
             head.load_state_dict(self._attempt_start[0])
-            optimizer.load_state_dict(self._attempt_start[1])
+            optimizer.load_state_dict(self._attempt_start[1])   # (onto the parameters' device)
         self.skipped_updates, self.applied_updates = self._counts_before_train
         self._skipped_before_train = self.skipped_updates
         self._eligible_since_log = self._updates_since_log = self._skipped_since_log = 0
@@ -452,16 +465,19 @@ class OdaTrainer(Trainer):
     def _each_row_once(self, dataset):
         """Under data parallelism accelerate evens the processes' eval batches by repeating the set's first rows, which
         then counted twice in the pooled loss (`evaluation_loop` does not know which rows repeat): shard without
-        padding instead. Uneven shards are safe there, as no collective runs before the loop's end. An iterable set is
-        padded whatever the setting (measured: 40 eligible positions counted of 30), so it is refused."""
+        padding instead (also without `dispatch_batches`, whose dispatcher pads whatever `even_batches` says: 40
+        positions of 30). Uneven shards are safe there, as no collective runs before the loop's end. An iterable set
+        is padded whatever the settings (measured: 40 eligible positions counted of 30), so it is refused."""
         self._check_evaluable(dataset)
-        even, self.accelerator.even_batches = self.accelerator.even_batches, False
+        config = self.accelerator.dataloader_config
+        kept = config.even_batches, config.dispatch_batches
+        config.even_batches = config.dispatch_batches = False
         try:
             yield
         finally:
-            self.accelerator.even_batches = even
+            config.even_batches, config.dispatch_batches = kept
 
-    def _check_evaluable(self, dataset, what: str = "An iterable eval dataset") -> None:
+    def _check_evaluable(self, dataset, what: str = "An iterable dataset") -> None:
         if self.args.world_size > 1 and isinstance(dataset, torch.utils.data.IterableDataset):
             raise ValueError(f"{what} ({type(dataset).__name__}) cannot be evaluated over {self.args.world_size} "
                              "processes: accelerate pads its last batches with repeated rows, which would count twice "
@@ -515,7 +531,10 @@ class OdaTrainer(Trainer):
                              "it cannot be resumed as the same run. Start a new output folder, or train on from its "
                              "head as a new run.")
         self._counts_before_train, self._attempt_start = (self.skipped_updates, self.applied_updates), None
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._attempt_start = None
         output = output._replace(training_loss=self._train_loss(output.training_loss))
         # (counts of this process: a resumed run whose remaining updates all lack supervision is not an error, since
         # the checkpoint's updates had some; data without any is refused before training, `_check_supervision`)
@@ -654,12 +673,12 @@ class OdaTrainer(Trainer):
         """Data without one eligible position is refused before training: the training set (else every update is
         skipped) and, when training evaluates, each eval set (else the first evaluation fails mid-run), as is an eval
         set that `_each_row_once` refuses."""
-        named = [("the training dataset", self.train_dataset)]
+        named = [("the training dataset", self.train_dataset, False)]
         if self.args.eval_strategy != IntervalStrategy.NO:
-            named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data)
+            named += [(f"the eval dataset{'' if key is None else f' {key!r}'}", data, True)
                       for key, data in eval_sets(self.eval_dataset).items()]
-        for what, dataset in named:
-            if what != "the training dataset":
+        for what, dataset, evaluated in named:
+            if evaluated:
                 self._check_evaluable(dataset, what[0].upper() + what[1:])
             if dataset is None or not hasattr(dataset, "__len__"):
                 continue  # iterable data: checked as it is read (every update skipped, an empty evaluation -> error)
