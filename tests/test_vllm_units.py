@@ -620,6 +620,8 @@ def test_engine_args_refuse_a_quantized_kv_cache():
         engine_args("any-folder", kv_cache_dtype="float16", dtype="bfloat16")
     with pytest.raises(ValueError, match="not kv_cache_dtype='bfloat16' beside a float16 model"):
         engine_args("any-folder", kv_cache_dtype="bfloat16", dtype="half")   # vLLM's alias
+    with pytest.raises(ValueError, match="not kv_cache_dtype='float16' beside a bfloat16 model"):
+        engine_args("any-folder", kv_cache_dtype="float16", dtype=torch.bfloat16)
     from oda_hf.vllm.settings import check_unquantized_kv_cache
 
     for model in ("auto", None, "half", "float16"):   # the model's dtype not known yet (checked at start), or equal
@@ -668,7 +670,7 @@ def test_oda_serve_refuses_flags_that_would_replace_its_own(monkeypatch):
     from types import SimpleNamespace
 
     import oda_hf.vllm as plugin
-    from oda_hf.vllm.server import serve_argv
+    from oda_hf.vllm.server import check_passthrough, serve_argv
 
     args = SimpleNamespace(base="organism", head=None, sinks=None, window=None, threshold=None, policy="local",
                            dtype="float32", host="127.0.0.1", port=8000)
@@ -680,9 +682,11 @@ def test_oda_serve_refuses_flags_that_would_replace_its_own(monkeypatch):
         with pytest.raises(ValueError, match="would replace what `oda serve` sets itself"):
             serve_argv(args, ["--max-model-len", "512", *flags])
     # vLLM's API server module, which `oda serve` runs, does not read --api-server-count (one process served, silently)
-    for flags in (["--api-server-count", "2"], ["--api_server_count=4"], ["-asc", "2"], ["--api-server-c", "2"]):
+    for flags in (["--api-server-count", "2"], ["--api_server_count=4"], ["-asc", "2"], ["--api-server-c", "2"],
+                  ["-as", "2"], ["-asc=2"], ["--api-server-count", "1", "-asc", "2"]):   # (the parser keeps the last)
         with pytest.raises(ValueError, match="--api-server-count [24] after `--`: `oda serve` runs one API server"):
             serve_argv(args, ["--max-model-len", "512", *flags])
+    check_passthrough(["--api-server-count", "01", "-as=1", "--api-server", "1"])   # one, as vLLM reads them
     # flags that only begin like ODA's are the user's
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
     argv = serve_argv(args, ["--model-impl", "transformers", "--max-model-len", "512", "--api-server-count", "1"])
@@ -748,6 +752,12 @@ def test_the_server_refuses_knobs_outside_vllm_xargs_and_beam_search():
     # vLLM turns a JSON true into 1 before ODA sees it: threshold 1.0 had been served (offline, True is refused)
     assert "boolean" in refusal({"prompt": "x", "vllm_xargs": {"oda_threshold": True}})
     assert refusal({"prompt": "x", "vllm_xargs": {"oda_threshold": 1, "other": True}}) is None
+    # a Responses API request_id beginning like a completion's: its record would be looked for as "<id>-<i>"
+    for own in ("cmpl-abc", "generative-scoring-x"):
+        assert "begins like the ids of vLLM's completion" in refusal({"input": "x", "request_id": own},
+                                                                     "/v1/responses")
+        assert refusal({"prompt": "x", "request_id": own}) is None   # (a completion's own field: not the engine's id)
+    assert refusal({"input": "x", "request_id": "chatcmpl-abc"}, "/v1/responses") is None   # "<id>_<i>" there too
 
 
 def test_a_threshold_without_a_head_is_refused():
@@ -1260,7 +1270,7 @@ def test_knob_and_draw_boundaries():
     for p, full in ((draw, False), (above, True)):
         assert RequestState(RequestRouting("random", p=p, seed=7)).predecided(1) is full
         assert RandomPolicy(p, seed=7).decide(None, 1, 1, "cpu").tolist() == [full]
-    assert HeadPolicy().decide(torch.tensor([0.5]), 1, 1, "cpu").tolist() == [True]   # routing threshold 0 by default
+    assert HeadPolicy().decide(torch.tensor([0.0, 1e-6]), 1, 2, "cpu").tolist() == [False, True]   # threshold 0
     # a budget's rate is the decimal it is written as: 5,256 calls + 1 within 0.5257 of 10,000 steps exactly
     assert within_budget(5256, 10000, 0.5257) and within_budget(6290, 100000, 0.06291)
     assert not within_budget(5257, 10000, 0.5257)

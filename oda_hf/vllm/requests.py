@@ -424,13 +424,15 @@ class FinishedRecords:
 # How vLLM's OpenAI server names one prompt's engine request of a response, by the response id's prefix: ``<id>_<i>``
 # for chat and Responses API responses, ``<id>-<i>`` for completions and generative scoring.
 SUB_REQUEST_SEPARATORS = (("chatcmpl-", "_"), ("resp_", "_"), ("cmpl-", "-"), ("generative-scoring-", "-"))
+COMPLETION_ID_PREFIXES = tuple(prefix for prefix, separator in SUB_REQUEST_SEPARATORS if separator == "-")
 
 
 def _is_sub_request(rid: str, request_id: str) -> bool:
     """Whether `rid` is one prompt's request of the OpenAI response `request_id`, in the form its prefix has
-    (`SUB_REQUEST_SEPARATORS`), never the other (the request of caller id ``job-2`` is no part of the chat response
-    of ``job``). A response id of no such prefix is a caller's own Responses API ``request_id``, which vLLM takes as
-    given (``<id>_<i>``), or another's: either form (a caller's ``myresp-x`` answered 404 for its ``myresp-x_0``)."""
+    (`SUB_REQUEST_SEPARATORS`), never the other (``chatcmpl-job-2``, the chat of caller id ``job-2``, is no part of
+    the chat response ``chatcmpl-job``). A response id of no such prefix is a caller's own Responses API
+    ``request_id``, which vLLM takes as given (``<id>_<i>``; the server refuses one beginning like a completion's), or
+    another's: either form (a caller's ``myresp-x`` answered 404 for its ``myresp-x_0``)."""
     rest = rid[len(request_id):] if rid.startswith(request_id) else ""
     separators = next((separator for prefix, separator in SUB_REQUEST_SEPARATORS if request_id.startswith(prefix)),
                       "_-")

@@ -224,7 +224,7 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
     prefill, its ``vllm_xargs`` dropped), so nothing of it is routed whatever the request asks; a Responses API
     ``request_id`` of the form ``<k>_<id>`` (used as the engine's id as it is) would be read as a sample of another
     request. `path`: the request's."""
-    from .requests import is_oda_key, sample_of
+    from .requests import COMPLETION_ID_PREFIXES, is_oda_key, sample_of
 
     if not isinstance(body, dict):
         return None
@@ -242,6 +242,11 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
         return (f"vllm_xargs {', '.join(map(repr, flags))}: a boolean is not a policy or threshold; give a string or "
                 "number.")
     request_id = body.get("request_id")
+    if path == "/v1/responses" and isinstance(request_id, str) and request_id.startswith(COMPLETION_ID_PREFIXES):
+        # vLLM names this API's engine requests "<id>_<i>"; an id of those prefixes is read in their "<id>-<i>" form
+        return (f"request_id {request_id!r} begins like the ids of vLLM's completion responses, whose requests ODA "
+                "finds by another form (<id>-<i>): its routing record could not be found by it. Use an id that does "
+                f"not begin with {' or '.join(COMPLETION_ID_PREFIXES)}.")
     if path == "/v1/responses" and isinstance(request_id, str) and sample_of(request_id) is not None:
         # vLLM names the k-th sample of an n > 1 request "<k>_<id>": the engine would read this request as one
         return (f"request_id {request_id!r} has the form vLLM gives the samples of an n > 1 request (<k>_<id>): ODA "
@@ -344,8 +349,7 @@ async def oda_routing_middleware(request, call_next):
                                     status_code=400)
             return await _through_vllm(request, call_next, refused)
     response = await call_next(request)
-    requested, path = path, served_as(path, asked)
-    if path not in COMPLETION_PATHS or response.status_code != 200 or \
+    if (path not in COMPLETION_PATHS and path != INVOCATIONS_PATH) or response.status_code != 200 or \
             not response.headers.get("content-type", "").startswith("application/json"):
         return response
     body = b"".join([chunk async for chunk in response.body_iterator])
@@ -353,7 +357,7 @@ async def oda_routing_middleware(request, call_next):
         data = json.loads(body)
     except ValueError:
         return Response(body, status_code=response.status_code, headers=dict(response.headers))
-    response_id, path = str(data.get("id", "")), served_as(requested, asked, data)
+    response_id, path = str(data.get("id", "")), served_as(path, asked, data)
     callers = response_caller_ids(path, data, (asked.get("n") or 1) if isinstance(asked, dict) else 1)
     if callers is not None:
         mine = _newest_per_caller((await _stats(request.app, caller_ids=callers))["requests"])
@@ -393,27 +397,35 @@ OWN_FLAGS = {"--model": "--base", "--hf-overrides": "--base / --head / --sinks /
              "--worker-cls": "nothing (ODA's worker is required)"}
 
 
+def _flag_name(arg: str) -> str | None:
+    """The option `arg` names as vLLM's parser reads it (``_`` for ``-``, without ``=value``); None for a value."""
+    return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("-") and arg != "--" else None
+
+
 def _own_flag(arg: str) -> str | None:
     """The flag of `OWN_FLAGS` that `arg` sets, as vLLM's parser reads it: the flag itself, ``_`` for ``-``, a
     prefix of it (argparse takes abbreviations: ``--hf-override``) or one key of it (``--hf-overrides.KEY``, which
     replaces the whole JSON)."""
-    if not arg.startswith("--") or arg == "--":
+    name = _flag_name(arg)
+    if name is None or not name.startswith("--"):
         return None
-    name = arg.split("=", 1)[0].replace("_", "-")
     for flag in OWN_FLAGS:
         if name == flag or name.startswith(flag + ".") or (len(name) > 3 and flag.startswith(name)):
             return flag
     return None
 
 
-def _api_server_count(passthrough: list[str]) -> str | None:
-    """The value given to vLLM's ``--api-server-count`` (``-asc``, ``_`` for ``-``, an abbreviation), if any."""
+def _api_server_counts(passthrough: list[str]) -> list[str]:
+    """Every value given to vLLM's ``--api-server-count`` (``-asc``, an abbreviation of either, ``_`` for ``-``); the
+    parser keeps the last."""
+    counts = []
     for i, arg in enumerate(passthrough):
-        name, eq, value = arg.partition("=")
-        name = name.replace("_", "-")
-        if name == "-asc" or (name.startswith("--api-s") and "--api-server-count".startswith(name)):
-            return value if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
-    return None
+        name = _flag_name(arg)
+        if name is not None and ((name.startswith("--api-s") and "--api-server-count".startswith(name))
+                                 or (len(name) > 2 and "-asc".startswith(name))):
+            counts.append(arg.split("=", 1)[1] if "=" in arg else
+                          passthrough[i + 1] if i + 1 < len(passthrough) else "")
+    return counts
 
 
 def check_passthrough(passthrough: list[str]) -> None:
@@ -421,11 +433,11 @@ def check_passthrough(passthrough: list[str]) -> None:
         if (flag := _own_flag(arg)) is not None:
             raise ValueError(f"{arg.split('=', 1)[0]} after `--` sets {flag}, which would replace what `oda serve` "
                              f"sets itself (ODA's model class and settings); use {OWN_FLAGS[flag]} instead.")
-    count = _api_server_count(passthrough)
-    if count is not None and count.strip() != "1":
-        raise ValueError(f"--api-server-count {count} after `--`: `oda serve` runs one API server process (vLLM's "
-                         "API server module, which does not read that flag, so it would have been ignored). Remove "
-                         "it; one API server serves every engine, with data parallelism too.")
+    for count in _api_server_counts(passthrough):
+        if not (count.strip().isdigit() and int(count) == 1):
+            raise ValueError(f"--api-server-count {count} after `--`: `oda serve` runs one API server process "
+                             "(vLLM's API server module, which does not read that flag, so it would have been "
+                             "ignored). Remove it; one API server serves every engine, with data parallelism too.")
 
 
 def serve_argv(args, passthrough: list[str]) -> list[str]:

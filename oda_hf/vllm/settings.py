@@ -66,7 +66,7 @@ def check_no_speculative_decoding(speculative_config) -> None:
 # KV-cache dtypes that store keys and values as plain floating-point numbers, which Local reads as they are.
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-MODEL_DTYPE_NAMES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+MODEL_DTYPE_NAMES = {"half": "float16", "float": "float32"}   # vLLM's aliases for a model's dtype
 
 
 def check_unquantized_kv_cache(cache_dtype, model_dtype=None) -> None:
@@ -85,8 +85,8 @@ def check_unquantized_kv_cache(cache_dtype, model_dtype=None) -> None:
     if cache_dtype not in (None, "auto") and model in FLOAT_DTYPES and str(cache_dtype) != model:
         raise ValueError(f"ODA serves with the KV cache in the model's dtype, not kv_cache_dtype={cache_dtype!r} "
                          f"beside a {model} model: vLLM's CPU kernels write {model} keys and values into it, which "
-                         "ODA's Local attention would read as another dtype. Start the engine with "
-                         "kv_cache_dtype='auto'.")
+                         "ODA's Local attention would read as another dtype (a GPU build's kernels were not checked). "
+                         "Start the engine with kv_cache_dtype='auto'.")
 
 
 def check_engine_features(vllm_config) -> None:
