@@ -1267,7 +1267,8 @@ def test_knob_and_draw_boundaries():
     # Random: Full when the step's draw is below p, so a draw equal to p stays Local (both paths)
     draw = torch.rand(1, generator=torch.Generator().manual_seed(7)).item()
     above = torch.nextafter(torch.tensor(draw), torch.tensor(1.0)).item()   # (the draws are float32)
-    for p, full in ((draw, False), (above, True)):
+    # p a hair above the draw, with the draw as its float32 value: both paths compare in float32 (vLLM's had not)
+    for p, full in ((draw, False), (above, True), (draw + 2.0 ** -40, False)):
         assert RequestState(RequestRouting("random", p=p, seed=7)).predecided(1) is full
         assert RandomPolicy(p, seed=7).decide(None, 1, 1, "cpu").tolist() == [full]
     assert HeadPolicy().decide(torch.tensor([0.0, 1e-6]), 1, 2, "cpu").tolist() == [False, True]   # threshold 0

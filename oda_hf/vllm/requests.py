@@ -210,7 +210,8 @@ class RequestState:
         if policy == "random":
             import torch
 
-            return bool(torch.rand(1, generator=self.generator).item() < self.routing.p)
+            # compared as `RandomPolicy` does, in float32 (a draw between p and p's float32 value went otherwise)
+            return bool(torch.rand(1, generator=self.generator) < self.routing.p)
         if policy == "schedule":
             return (step - 1) % self.routing.period < self.routing.k
         return None
