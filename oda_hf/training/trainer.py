@@ -435,15 +435,14 @@ class OdaTrainer(Trainer):
         log; under `auto_find_batch_size` also the head and optimizer state (after a checkpoint's were loaded), kept
         on the CPU until `train()` returns."""
         head, optimizer = self.oda_model.recall_head, self.optimizer
-        if not self.args.auto_find_batch_size or optimizer is None:
-            pass
-        elif self._attempt_start is None:
-            self._attempt_start = (_on_cpu(head.state_dict()), _on_cpu(optimizer.state_dict()))
-        else:
-            logger.warning("Training again from the start at batch size %d (auto_find_batch_size).",
-                           self._train_batch_size)
-            head.load_state_dict(self._attempt_start[0])
-            optimizer.load_state_dict(self._attempt_start[1])   # (onto the parameters' device)
+        if self.args.auto_find_batch_size and optimizer is not None:
+            if self._attempt_start is None:
+                self._attempt_start = (_on_cpu(head.state_dict()), _on_cpu(optimizer.state_dict()))
+            else:
+                logger.warning("Training again from the start at batch size %d (auto_find_batch_size).",
+                               self._train_batch_size)
+                head.load_state_dict(self._attempt_start[0])
+                optimizer.load_state_dict(self._attempt_start[1])   # (onto the parameters' device)
         self.skipped_updates, self.applied_updates = self._counts_before_train
         self._skipped_before_train = self.skipped_updates
         self._eligible_since_log = self._updates_since_log = self._skipped_since_log = 0

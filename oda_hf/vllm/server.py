@@ -222,8 +222,9 @@ def refusal(body, path: str = "/v1/completions") -> str | None:
     vLLM accepts unknown top-level fields and ignores them, so ``{"oda_policy": "local"}`` outside ``vllm_xargs`` was
     served with the engine's default; beam search sends every step to the engine as a new one-token request (a Full
     prefill, its ``vllm_xargs`` dropped), so nothing of it is routed whatever the request asks; a Responses API
-    ``request_id`` of the form ``<k>_<id>`` (used as the engine's id as it is) would be read as a sample of another
-    request. `path`: the request's."""
+    ``request_id`` (used as the engine's id as it is) of the form ``<k>_<id>`` would be read as a sample of another
+    request, and one beginning like a completion's id would have its record looked for in that form. `path`: the
+    request's."""
     from .requests import COMPLETION_ID_PREFIXES, is_oda_key, sample_of
 
     if not isinstance(body, dict):
