@@ -544,3 +544,48 @@ def test_local_reads_the_amx_kernels_packed_cache_as_vllm_writes_it():
         pytest.skip("this vLLM build or CPU has no AMX kernels")
     keys_equal, values_equal, diff = seen
     assert keys_equal and values_equal and diff < 1e-5, seen
+
+
+MIDDLEWARE_PROBE = """
+import asyncio, json
+from types import SimpleNamespace
+from oda_hf.vllm import server
+from oda_hf.vllm.requests import RequestRouting, RequestState
+
+def record(steps):
+    state = RequestState(RequestRouting("full"))
+    for _ in range(steps):
+        state.record(True)
+    return state.summary()
+
+def served(body, data, records):
+    async def collective_rpc(name, kwargs=None):
+        return [{"requests": records, "evicted": {}}]
+    async def read_body():
+        return json.dumps(body).encode()
+    async def call_next(request):
+        async def chunks():
+            yield json.dumps(data).encode()
+        return SimpleNamespace(status_code=200, headers={"content-type": "application/json"}, body_iterator=chunks())
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(collective_rpc=collective_rpc)))
+    request = SimpleNamespace(scope={"path": "/v1/completions"}, method="POST",
+                              headers={"content-type": "application/json"}, body=read_body, app=app)
+    answer = asyncio.run(server.oda_routing_middleware(request, call_next))
+    return json.loads(answer.body)["oda_routing"]
+
+one = served({"prompt": "x"}, {"id": "cmpl-s", "choices": [{}], "usage": {"completion_tokens": 5}},
+             {"cmpl-s-0-1a2b3c4d": record(7)})
+two = served({"prompt": ["x", "y"]}, {"id": "cmpl-s", "choices": [{}, {}], "usage": {"completion_tokens": 5}},
+             {"cmpl-s-0-1a2b3c4d": record(7)})
+print(json.dumps([one["routed_steps"], two["routed_steps"]]))
+"""
+
+
+def test_the_middleware_trims_a_record_the_front_end_has_not_counted():
+    """When vLLM's front end has not counted a response's tokens within the middleware's wait, the middleware trims the
+    one record of a one-choice response to its returned tokens itself (7 steps run, 5 tokens returned: 4 steps), and
+    leaves a record it cannot attribute untrimmed (two choices: 7). No engine runs: a fake app and vLLM's starlette."""
+    proc = subprocess.run([VLLM_PYTHON, "-c", MIDDLEWARE_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7]
