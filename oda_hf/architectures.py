@@ -117,6 +117,7 @@ def _check_logits_from_hidden(model, spec: ArchitectureSpec) -> None:
     import torch
 
     config = model.config
+    supported = "supported model types: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     vocab = int(getattr(config, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
     ids = torch.arange(1, 4, device=model.device)[None] % vocab
     training = model.training
@@ -128,8 +129,7 @@ def _check_logits_from_hidden(model, spec: ArchitectureSpec) -> None:
             if hidden is None:   # (Llama 4's get_decoder() is the whole model, which returns logits)
                 raise ValueError(
                     f"Model type {config.model_type!r}: its get_decoder() does not return the final hidden states "
-                    "(no last_hidden_state), which ODA reads every step. This type is not supported; supported model "
-                    "types: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")
+                    f"(no last_hidden_state), which ODA reads every step. This type is not supported; {supported}.")
             ours = model.get_output_embeddings()(hidden)
     finally:
         model.train(training)
@@ -143,4 +143,4 @@ def _check_logits_from_hidden(model, spec: ArchitectureSpec) -> None:
             f"Model type {config.model_type!r} computes its logits otherwise than lm_head(final hidden state)"
             f"{' (its config has ' + ', '.join(scaling) + ')' if scaling else ''}: ODA, which computes them so for "
             "its drafts, sampling and supervision, would draw from other probabilities than the model's. This type "
-            "is not supported; supported model types: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")
+            f"is not supported; {supported}.")

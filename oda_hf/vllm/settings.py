@@ -64,8 +64,8 @@ def check_no_speculative_decoding(speculative_config) -> None:
 
 
 # KV-cache dtypes that store keys and values as plain floating-point numbers, which Local reads as they are.
-UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", *FLOAT_DTYPES)
 MODEL_DTYPE_NAMES = {"half": "float16", "float": "float32"}   # vLLM's aliases for a model's dtype
 
 
