@@ -188,8 +188,12 @@ class SchedulePolicy(RoutingPolicy):
 
 @functools.lru_cache(maxsize=256)
 def _rate_ratio(rate: float) -> tuple[int, int]:
-    # The simplest fraction within 1e-12 denominators of the rate's shortest decimal: 0.29 is 29/100, 1/3 is 1/3.
-    return Fraction(repr(rate)).limit_denominator(10 ** 12).as_integer_ratio()
+    # The fraction of denominator <= 1e12 nearest the rate's shortest decimal (0.29 is 29/100, 1/3 is 1/3), unless
+    # that fraction, as a float, is above the rate: 0.2499999999999 would be 1/4, whose realised rate 0.25 exceeds
+    # it, so such a rate keeps its decimal's own fraction (2499999999999/10**13).
+    decimal = Fraction(repr(rate))
+    simplest = decimal.limit_denominator(10 ** 12)
+    return (decimal if float(simplest) > rate else simplest).as_integer_ratio()
 
 
 def within_budget(calls: int, decided: int, rate: float) -> bool:

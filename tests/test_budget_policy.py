@@ -117,6 +117,18 @@ def test_the_budget_is_exact_for_the_decimal_rate_given():
     assert all(sum(full[:n]) <= 0.2499999999 * n for n in range(1, 41)) and sum(full) == 9
 
 
+@pytest.mark.parametrize("rate", [0.2499999999999, 0.3333333333333, 0.1999999999999, 1 / 3, 2 / 3, 0.6666666666667])
+def test_a_rate_just_below_a_simple_fraction_is_not_rounded_up_to_it(rate):
+    """Found by an audit: the rule's fraction (denominator <= 1e12) of 0.2499999999999 was 1/4, so a row called Full
+    once in 4 decided steps, a realised rate of 0.25 above the rate asked, and 0.3333333333333 ran at 1/3. The float
+    nearest 1/3 still runs at 1/3 (its realised rate 13/39 is that same float)."""
+    calls = 0
+    for decided in range(1, 400):
+        calls += within_budget(calls, decided, rate)
+        assert calls / decided <= rate, (calls, decided)
+    assert (calls + 1) / 399 > rate  # and the budget earned is spent: one more call would exceed it
+
+
 def test_one_budget_object_given_to_two_models_gives_each_request_its_own_counters():
     """Found by an audit: `with_threshold` returned the object itself when it had its own threshold, so two models
     sharing one BudgetPolicy ran one set of counters (one model's rows got 17 Full calls in 39 steps at 0.25)."""
