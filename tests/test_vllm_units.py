@@ -154,7 +154,10 @@ def test_a_streaming_session_routes_each_turn_afresh_and_keeps_the_counts():
     state.record(False)
     summary = state.summary()
     assert (summary["routed_steps"], summary["full_calls"], summary["decisions"]) == (4, 3, [True, True, True, False])
-    assert summary["full_call_rate"] == 0.75 and summary["policy"] == "local"
+    assert summary["full_call_rate"] == 0.75 and (summary["policy"], summary["threshold"]) == ("mixed", None)
+    # each turn's own policy and counts (the session read as one "local" request at a rate of 0.75, found by an audit)
+    assert [(t["policy"], t["routed_steps"], t["full_calls"], t["full_call_rate"]) for t in summary["turns"]] == \
+        [("full", 3, 3, 1.0), ("local", 1, 0, 0.0)]
     third = state.next_turn(RequestRouting("full"), prompt_tokens=20)   # turn 2's prompt: 10 + 3 outputs + 7 new
     assert third.earlier_steps == [(10, [True, True, True]), (20, [False])] and third.turn == 2
     assert third.summary()["decisions"] == [True, True, True, False]
@@ -164,6 +167,30 @@ def test_a_streaming_session_routes_each_turn_afresh_and_keeps_the_counts():
     assert draws[0] != draws[1] and draws[1] != draws[2]
     generator = torch.Generator().manual_seed(3)   # the first turn draws with seed 3 itself, as before
     assert draws[0] == [bool(torch.rand(1, generator=generator).item() < 0.5) for _ in range(64)]
+
+
+def test_a_streaming_sessions_turns_keep_their_own_counts_when_trimmed():
+    """A stop string in the last turn cuts that turn's counts; a session of one policy keeps its name."""
+    from oda_hf.vllm.requests import trimmed
+
+    budget = RequestRouting("budget", p=0.25, threshold=0.0)
+    first = RequestState(budget)
+    first.record(False, decided_step=False)   # within sinks + window
+    for full in (False, False, False, True):
+        first.record(full, 1.0)
+    second = first.next_turn(budget, prompt_tokens=12)
+    for full in (False, False, False, True, False):
+        second.record(full, 1.0)
+    record = second.summary()
+    assert (record["policy"], record["threshold"], record["routed_steps"], record["decided_steps"]) == \
+        ("budget:0.25", 0.0, 10, 9)
+    assert [(t["routed_steps"], t["decided_steps"], t["full_calls"]) for t in record["turns"]] == [(5, 4, 1), (5, 5, 1)]
+    cut = trimmed(record, 8)   # the last two steps ran past a stop string
+    assert [(t["routed_steps"], t["decided_steps"], t["full_calls"]) for t in cut["turns"]] == [(5, 4, 1), (3, 3, 0)]
+    assert (cut["routed_steps"], cut["decided_steps"], cut["full_calls"], cut["turns"][1]["full_call_rate"]) == \
+        (8, 7, 1, 0.0)
+    assert [t["routed_steps"] for t in trimmed(record, 3)["turns"]] == [3] and trimmed(record, 3)["decided_steps"] == 2
+    assert "turns" not in first.summary()   # one turn: no list
 
 
 def test_a_recomputed_streaming_session_replays_its_earlier_turns_local_steps():

@@ -217,19 +217,35 @@ class RequestState:
         return None
 
     def summary(self, details: bool = True) -> dict:
-        """The request's counts, decisions and scores (a streaming session's: every turn so far, the current policy);
-        `details=False`: the counts alone."""
+        """The request's counts, decisions and scores; `details=False`: the counts alone. A streaming session's
+        counts are every turn's so far, with ``turns`` holding each turn's policy and counts; its ``policy`` and
+        ``threshold`` are the turns' own when all share them, else ``"mixed"`` and None (a session whose turns were
+        ``head`` then ``budget:0.25`` had read as one budget of 0.25 at a rate of 0.61, with exit 0)."""
         earlier = self.earlier_turns or {}
         routed, decided, full = (self.routed_steps + earlier.get("routed_steps", 0),
                                  self.decided_steps + earlier.get("decided_steps", 0),
                                  self.full_calls + earlier.get("full_calls", 0))
-        record = {"policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": routed,
-                  "decided_steps": decided, "full_calls": full, "full_call_rate": full / decided if decided else 0.0,
+        turns = ((earlier.get("turns") or [turn_counts(earlier)]) if earlier else []) + [turn_counts({
+            "policy": self.routing.spec(), "threshold": self.routing.threshold, "routed_steps": self.routed_steps,
+            "decided_steps": self.decided_steps, "full_calls": self.full_calls})]
+        same = len({(turn["policy"], turn["threshold"]) for turn in turns}) == 1
+        policy, threshold = (turns[0]["policy"], turns[0]["threshold"]) if same else ("mixed", None)
+        record = {"policy": policy, "threshold": threshold, "routed_steps": routed, "decided_steps": decided,
+                  "full_calls": full, "full_call_rate": full / decided if decided else 0.0,
                   "recomputed_tokens": self.recomputed_tokens + earlier.get("recomputed_tokens", 0)}
+        if len(turns) > 1:
+            record["turns"] = turns
         if details:
             record["decisions"] = earlier.get("decisions", []) + list(self.decisions)
             record["scores"] = earlier.get("scores", []) + [json_score(s) for s in self.scores]
         return record
+
+
+def turn_counts(record: dict) -> dict:
+    """One turn's entry in a streaming session's ``turns``: its policy, threshold and counts (from a summary of it)."""
+    decided, full = record["decided_steps"], record["full_calls"]
+    return {"policy": record["policy"], "threshold": record["threshold"], "routed_steps": record["routed_steps"],
+            "decided_steps": decided, "full_calls": full, "full_call_rate": full / decided if decided else 0.0}
 
 
 def json_score(score: float) -> float | None:
@@ -448,13 +464,27 @@ def trimmed(record: dict, steps: int) -> dict:
     steps = max(0, steps)
     if record["routed_steps"] <= steps or "decisions" not in record:   # (a record evicted between two reads)
         return record
-    undecided = record["routed_steps"] - record["decided_steps"]
     decisions = record["decisions"][:steps]
-    decided = max(0, steps - undecided)
+    if "turns" in record:   # a streaming session: each turn's steps in order, its undecided ones first
+        turns, first = [], 0
+        for turn in record["turns"]:
+            kept = min(turn["routed_steps"], steps - first)
+            if kept <= 0:
+                break
+            undecided = turn["routed_steps"] - turn["decided_steps"]
+            turns.append(turn_counts({**turn, "routed_steps": kept, "decided_steps": max(0, kept - undecided),
+                                      "full_calls": sum(decisions[first:first + kept])}))
+            first += kept
+        decided = sum(turn["decided_steps"] for turn in turns)
+    else:
+        decided = max(0, steps - (record["routed_steps"] - record["decided_steps"]))
     full = sum(decisions)
-    return {**record, "routed_steps": steps, "decided_steps": decided, "full_calls": full,
-            "full_call_rate": full / decided if decided else 0.0, "decisions": decisions,
-            "scores": record["scores"][:steps]}
+    cut = {**record, "routed_steps": steps, "decided_steps": decided, "full_calls": full,
+           "full_call_rate": full / decided if decided else 0.0, "decisions": decisions,
+           "scores": record["scores"][:steps]}
+    if "turns" in record:
+        cut["turns"] = turns
+    return cut
 
 
 def packed(record: dict) -> dict:
