@@ -237,6 +237,30 @@ def test_qwen_families_with_chunked_prefill(tmp_path, family):
             assert ours["routing"]["decisions"] == routing.decisions[0].tolist()
 
 
+def test_seeded_sampling_with_chunked_prefill_equals_it_unchunked(tmp_path):
+    """vLLM samples and discards a token after a prompt chunk that does not end the prompt, and rewinds a seeded
+    request's generator with `set_offset`, which CPU generators lack: the engine died on any seeded request whose
+    prompt was split (a prompt past `oda serve`'s default 2,048 batched tokens; found by an audit). ODA's CPU runner
+    puts the generator's state back: the samples equal those of an engine that prefills each prompt at once."""
+    folder = str(tmp_path / "model")
+    build_model(folder, heads=4, kv_heads=2, seed=3, family="qwen3")
+    head = os.path.join(folder, "head")
+    batch = [request(prompt(n, seed=n + 11), policy=policy, sampling=sampling,
+                     threshold=0.0 if policy == "head" else None)
+             for n, policy, sampling in ((150, "full", SAMPLING[1]), (90, "head", SAMPLING[0]),
+                                         (70, "local", SAMPLING[1]))]
+    oda = {"head": head, "sinks": SINKS, "window": WINDOW}
+    chunked = run_vllm(tmp_path, "chunked", folder, [batch], oda=oda, max_num_batched_tokens=32,
+                       enable_chunked_prefill=True, **EAGER)[0]["outputs"]
+    whole = run_vllm(tmp_path, "whole", folder, [batch], oda=oda, **EAGER)[0]["outputs"]
+    assert [o["samples"] for o in chunked] == [o["samples"] for o in whole] and len(chunked[0]["tokens"]) == 12
+    def decisions(outputs):   # per request, per sample (one record under the request's id, or one per sample)
+        return [[record["decisions"] for record in ([out["routing"]] if out["routing"] else out["sample_routing"])]
+                for out in outputs]
+
+    assert decisions(chunked) == decisions(whole) and len(decisions(chunked)[1]) == 2
+
+
 @contextlib.contextmanager
 def oda_server(tmp_path, head: str, *vllm_flags: str, env: dict | None = None):
     """`oda serve` of the model beside `head` on a free loopback port (yielded once /health answers), eager, with

@@ -13,12 +13,38 @@ def _require_v1_runner(worker) -> None:
                            "the engine (oda_hf.vllm.engine_args and `oda serve` do).")
 
 
+def discarded_generators(runner) -> dict:
+    """The seeded generators (batch row -> torch.Generator) of the rows whose sampled token this step discards."""
+    rows = runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]
+    generators = runner.input_batch.generators
+    return {int(row): generators[int(row)] for row in rows if int(row) in generators}
+
+
 def _cpu_classes():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     class OdaCPUModelRunner(OdaRunnerMixin, CPUModelRunner):
-        pass
+        # vLLM samples a token for a request whose prompt chunk does not end its prompt (chunked prefill), discards
+        # it, and rewinds a seeded request's generator with `set_offset`, which CPU generators lack: the engine died
+        # ("CPU Generator does not use offset") on any seeded request whose prompt was split, e.g. a prompt past
+        # `oda serve`'s default 2,048 batched tokens. Here the generator's state is put back instead.
+        def _sample(self, logits, spec_decode_metadata):
+            held = discarded_generators(self)
+            states = {row: generator.get_state() for row, generator in held.items()}
+            output = super()._sample(logits, spec_decode_metadata)
+            for row, generator in held.items():
+                generator.set_state(states[row])
+            return output
+
+        def _bookkeeping_sync(self, *args, **kwargs):
+            held = discarded_generators(self)   # rewound by _sample: kept from vLLM's set_offset
+            for row in held:
+                del self.input_batch.generators[row]
+            try:
+                return super()._bookkeeping_sync(*args, **kwargs)
+            finally:
+                self.input_batch.generators.update(held)
 
     class OdaCPUWorker(CPUWorker):
         def init_device(self):
