@@ -465,26 +465,30 @@ def trimmed(record: dict, steps: int) -> dict:
     if record["routed_steps"] <= steps or "decisions" not in record:   # (a record evicted between two reads)
         return record
     decisions = record["decisions"][:steps]
-    if "turns" in record:   # a streaming session: each turn's steps in order, its undecided ones first
-        turns, first = [], 0
-        for turn in record["turns"]:
-            kept = min(turn["routed_steps"], steps - first)
-            if kept <= 0:
-                break
-            undecided = turn["routed_steps"] - turn["decided_steps"]
-            turns.append(turn_counts({**turn, "routed_steps": kept, "decided_steps": max(0, kept - undecided),
-                                      "full_calls": sum(decisions[first:first + kept])}))
-            first += kept
-        decided = sum(turn["decided_steps"] for turn in turns)
+    cut = {**record, "routed_steps": steps, "decisions": decisions, "scores": record["scores"][:steps]}
+    if "turns" in record:   # a streaming session
+        cut["turns"] = _trimmed_turns(record["turns"], decisions)
+        decided = sum(turn["decided_steps"] for turn in cut["turns"])
     else:
         decided = max(0, steps - (record["routed_steps"] - record["decided_steps"]))
     full = sum(decisions)
-    cut = {**record, "routed_steps": steps, "decided_steps": decided, "full_calls": full,
-           "full_call_rate": full / decided if decided else 0.0, "decisions": decisions,
-           "scores": record["scores"][:steps]}
-    if "turns" in record:
-        cut["turns"] = turns
+    cut.update(decided_steps=decided, full_calls=full, full_call_rate=full / decided if decided else 0.0)
     return cut
+
+
+def _trimmed_turns(turns: list, decisions: list) -> list:
+    """A streaming session's `turns` cut to its first ``len(decisions)`` routed steps: each turn's steps in order,
+    its undecided ones first."""
+    kept_turns, first = [], 0
+    for turn in turns:
+        kept = min(turn["routed_steps"], len(decisions) - first)
+        if kept <= 0:
+            break
+        undecided = turn["routed_steps"] - turn["decided_steps"]
+        kept_turns.append(turn_counts({**turn, "routed_steps": kept, "decided_steps": max(0, kept - undecided),
+                                       "full_calls": sum(decisions[first:first + kept])}))
+        first += kept
+    return kept_turns
 
 
 def packed(record: dict) -> dict:
