@@ -589,3 +589,53 @@ def test_the_middleware_trims_a_record_the_front_end_has_not_counted():
                           env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7]
+
+
+PREFIX_CACHE_PROBE = """
+import json
+from types import SimpleNamespace
+from vllm import SamplingParams
+from oda_hf.vllm.kv_cache import _PromptOnlyCaching, _seal_decode_hashes
+from oda_hf.vllm.validator import HeadlessEngineValidator, OdaRequestValidator
+from vllm.v1.core.kv_cache_utils import BlockHash
+
+# a 70-token prompt in blocks of 32: block 2 holds its last 6 tokens and the first decode tokens
+hashes = [BlockHash(bytes([i]) * 32) for i in range(4)]
+request = SimpleNamespace(request_id="a", num_prompt_tokens=70, block_hashes=list(hashes), _block_hasher=None)
+_seal_decode_hashes(request, 32)
+sealed = [new != old for new, old in zip(request.block_hashes, hashes)]
+
+class Stock:   # vLLM's manager, as far as caching goes
+    def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries):
+        self.cached = num_tokens
+
+class Manager(_PromptOnlyCaching, Stock):
+    block_pool = SimpleNamespace(hash_block_size=32)
+
+manager = Manager()
+manager.cache_blocks(SimpleNamespace(request_id="b", num_prompt_tokens=70, block_hashes=[], _block_hasher=None), 96,
+                     replay_boundaries=None)
+
+refused = []   # a bad ODA knob beside another plugin's extra_args key
+for validator, extra in [(OdaRequestValidator, {"oda_policy": "sometimes", "my_plugin_knob": 1}),
+                         (OdaRequestValidator, {"oda_threshold": "nan", "my_plugin_knob": 1}),
+                         (HeadlessEngineValidator, {"oda_policy": "head", "my_plugin_knob": 1})]:
+    try:
+        validator.validate_params(SamplingParams(extra_args=extra))
+        refused.append(False)
+    except ValueError:
+        refused.append(True)
+print(json.dumps([sealed, manager.cached, refused]))
+"""
+
+
+def test_prefix_caching_stops_at_the_prompt_and_bad_knobs_are_refused_beside_other_keys():
+    """Found by a mutation audit, each a change no engine test saw: the decode hashes are sealed from the block holding
+    the prompt's last token (rounding up left a 70-token prompt's block 2 shared: a preempted request resumed from
+    another request's Full-prefilled block, tokens off from output 81, exit 0); the manager caches no token past the
+    prompt; the admission check refuses a bad ODA knob also beside another plugin's key. Fakes, no engine."""
+    proc = subprocess.run([VLLM_PYTHON, "-c", PREFIX_CACHE_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sealed, cached, refused = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sealed == [False, False, True, True] and cached == 70 and refused == [True, True, True]

@@ -178,6 +178,10 @@ def check_preempted_equals_unpressed(pressed: list, free: list, max_tokens: int)
         assert len(ours["tokens"]) == max_tokens
         assert ours["tokens"] == alone["tokens"]
         assert ours["routing"]["decisions"] == alone["routing"]["decisions"]
+        # and the head's scores: a resumed step that read the wrong preceding hidden state scored -0.064 for -0.074,
+        # the same decision (a mutation audit's survivor)
+        assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4)
+                   for a, b in zip(ours["routing"]["scores"], alone["routing"]["scores"]))
         assert ours["routing"]["routed_steps"] == max_tokens - 1
         assert alone["routing"]["recomputed_tokens"] == 0
     assert any(o["routing"]["recomputed_tokens"] for o in pressed), "no request was preempted: the test saw nothing"
