@@ -254,6 +254,7 @@ def test_seeded_sampling_with_chunked_prefill_equals_it_unchunked(tmp_path):
                        enable_chunked_prefill=True, **EAGER)[0]["outputs"]
     whole = run_vllm(tmp_path, "whole", folder, [batch], oda=oda, **EAGER)[0]["outputs"]
     assert [o["samples"] for o in chunked] == [o["samples"] for o in whole] and len(chunked[0]["tokens"]) == 12
+
     def decisions(outputs):   # per request, per sample (one record under the request's id, or one per sample)
         return [[record["decisions"] for record in ([out["routing"]] if out["routing"] else out["sample_routing"])]
                 for out in outputs]
