@@ -591,7 +591,7 @@ def test_the_middleware_trims_a_record_the_front_end_has_not_counted():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7]
 
 
-PREFIX_CACHE_PROBE = """
+ENGINE_SIDE_PROBE = """
 import json
 from types import SimpleNamespace
 from vllm import SamplingParams
@@ -625,17 +625,29 @@ for validator, extra in [(OdaRequestValidator, {"oda_policy": "sometimes", "my_p
         refused.append(False)
     except ValueError:
         refused.append(True)
-print(json.dumps([sealed, manager.cached, refused]))
+
+from vllm.v1.worker.cpu_worker import CPUWorker   # ODA's CPU worker refuses vLLM's V2 runner (no device set up here)
+from oda_hf.vllm.worker import OdaCPUWorker
+CPUWorker.init_device = lambda self: None
+worker = object.__new__(OdaCPUWorker)
+worker.use_v2_model_runner = True
+try:
+    worker.init_device()
+    v2_refused = False
+except RuntimeError as err:
+    v2_refused = "VLLM_USE_V2_MODEL_RUNNER=0" in str(err)
+print(json.dumps([sealed, manager.cached, refused, v2_refused]))
 """
 
 
-def test_prefix_caching_stops_at_the_prompt_and_bad_knobs_are_refused_beside_other_keys():
+def test_engine_side_checks_on_fakes_prefix_cache_admission_and_runner():
     """Found by a mutation audit, each a change no engine test saw: the decode hashes are sealed from the block holding
     the prompt's last token (rounding up left a 70-token prompt's block 2 shared: a preempted request resumed from
     another request's Full-prefilled block, tokens off from output 81, exit 0); the manager caches no token past the
-    prompt; the admission check refuses a bad ODA knob also beside another plugin's key. Fakes, no engine."""
-    proc = subprocess.run([VLLM_PYTHON, "-c", PREFIX_CACHE_PROBE], capture_output=True, text=True, timeout=300,
+    prompt; the admission check refuses a bad ODA knob also beside another plugin's key; the CPU worker refuses vLLM's
+    V2 model runner. Fakes, no engine."""
+    proc = subprocess.run([VLLM_PYTHON, "-c", ENGINE_SIDE_PROBE], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sealed, cached, refused = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sealed == [False, False, True, True] and cached == 70 and refused == [True, True, True]
+    sealed, cached, refused, v2_refused = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sealed == [False, False, True, True] and cached == 70 and refused == [True, True, True] and v2_refused
