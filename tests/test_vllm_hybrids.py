@@ -651,3 +651,53 @@ def test_engine_side_checks_on_fakes_prefix_cache_admission_and_runner():
     assert proc.returncode == 0, proc.stderr[-3000:]
     sealed, cached, refused, v2_refused = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sealed == [False, False, True, True] and cached == 70 and refused == [True, True, True] and v2_refused
+
+
+NESTED_RETRY_PROBE = """
+import contextlib, json
+from types import SimpleNamespace
+import torch
+import oda_hf.vllm.attention as attention
+import oda_hf.vllm.model as model
+
+model.rank_zeros_decisions = lambda asks: asks                    # one rank
+model._swapped_forward_context = lambda metadata, slots: contextlib.nullcontext()
+passes = []
+
+class Base:   # the decoder: records each pass's positions and the tokens its plan sends Local
+    def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds):
+        plan = attention._current_plan
+        passes.append([positions.tolist(), None if plan is None else plan.local_tokens.tolist()])
+        return torch.ones(len(input_ids), 4)
+
+Model = type("Model", (model.OdaCausalLMMixin, Base), {})
+hybrid = object.__new__(Model)
+hybrid.__dict__.update(oda_head=lambda prev, embedded, local: torch.tensor([3.0]), oda_recurrent=object(),
+                       oda_settings=SimpleNamespace(sinks=4, window=16), oda_routed_names=set(),
+                       embed_input_ids=lambda ids: torch.zeros(len(ids), 4))
+recorded, restored = [], []
+state = SimpleNamespace(prev_hidden=None, routing=SimpleNamespace(threshold=0.0), within_budget=lambda: True,
+                        record=lambda full, score=None: recorded.append(full))
+step = SimpleNamespace(token_start=[0], token_count=[5], decode=[False], states=[state], computed=[100],
+                       prompt_lens=[98], position=lambda row, token: 100 + token,
+                       metadata_for=lambda segments, names=None: ({}, {}),
+                       sub_batch_loras=lambda segments: contextlib.nullcontext())
+# a preempted request's recomputed chunk: positions 100..104, generated tokens from 98 on; its steps at 100, 102 and
+# 103 went Local, 101 Full, and the chunk's last token (104) is routed now: Local in the first pass, the head says Full
+hybrid._decide_and_retry(step, [0], torch.arange(5), torch.arange(100, 105), torch.zeros(5, 4),
+                         SimpleNamespace(restore=restored.append), {0: [True, False, True, True, True]})
+print(json.dumps([passes, recorded, restored]))
+"""
+
+
+def test_hybrid_full_retry_of_a_recomputed_chunk_keeps_its_earlier_local_steps():
+    """With recurrent states (Qwen3.5), a recomputed chunk whose last token the head sends Full is run again whole
+    from the restored states: its earlier steps must attend as they went (Local where they were Local), only the last
+    token Full. A mutation audit's survivor: retrying the whole chunk Full changed the recurrent states and every later
+    token of a preempted hybrid request, unseen by the engine tests. Fakes, no engine."""
+    proc = subprocess.run([VLLM_PYTHON, "-c", NESTED_RETRY_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    passes, recorded, restored = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert recorded == [True] and restored == [[0]]
+    assert passes == [[[100, 101, 102, 103, 104], [0, 2, 3]]]
