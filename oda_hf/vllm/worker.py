@@ -30,7 +30,7 @@ def _cpu_classes():
         # ("CPU Generator does not use offset") on any seeded request whose prompt was split, e.g. a prompt past
         # `oda serve`'s default 2,048 batched tokens. Here the generator's state is put back instead.
         def _sample(self, logits, spec_decode_metadata):
-            held = discarded_generators(self)
+            self.oda_discarded = held = discarded_generators(self)   # for _bookkeeping_sync, later in this step
             states = {row: generator.get_state() for row, generator in held.items()}
             output = super()._sample(logits, spec_decode_metadata)
             for row, generator in held.items():
@@ -38,7 +38,10 @@ def _cpu_classes():
             return output
 
         def _bookkeeping_sync(self, *args, **kwargs):
-            held = discarded_generators(self)   # rewound by _sample: kept from vLLM's set_offset
+            # rewound by _sample: kept from vLLM's set_offset (a step that sampled nothing: computed here)
+            held = self.__dict__.pop("oda_discarded", None)
+            if held is None:
+                held = discarded_generators(self)
             for row in held:
                 del self.input_batch.generators[row]
             try:
