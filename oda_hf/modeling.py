@@ -104,6 +104,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         self._prefilling = False  # generate()'s prefill is running (`_prefill`), maybe in chunks
         self._prefilled_chunk = False  # ... and its chunks are all prompt (prefilled with Full)
         self._call_eos_token_id = _NOT_SEEN  # the EOS of the running generate() call's merged generation config
+        self._pads_finished_rows = False  # ... and generate() pads rows after they stop (some criterion has an EOS)
         self.oda_config.routing_policy()  # validate now
         if self.oda_config.routing_policy().uses_head and self.recall_head is None:
             raise ValueError(
@@ -352,7 +353,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
             raise ValueError("generate(cache_implementation='paged') is not supported by ODA: " + _CONTINUOUS_BATCHING)
         # Routing describes each call, also when it continues a reused cache (multi-turn chat).
         self._generate_call_starting, self._beam_generation = True, False
-        self._call_eos_token_id = _NOT_SEEN
+        self._call_eos_token_id, self._pads_finished_rows = _NOT_SEEN, False
         try:
             output = super().generate(*args, **kwargs)
         finally:
@@ -395,6 +396,7 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
         # user's with its own, tells ODA when each row stopped: its later steps are padding, not routed steps.
         criteria = super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer, **kwargs)
         self._call_eos_token_id = generation_config.eos_token_id   # the call's, however it was passed
+        self._pads_finished_rows = any(hasattr(criterion, "eos_token_id") for criterion in criteria)  # as generate()
         return _RecordingCriteriaList([_RecordFinishedRows(criterion, self) for criterion in criteria])
 
     def _mark_eos_rows(self, output, kwargs) -> None:
@@ -603,6 +605,10 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                     scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
                 policy.observe_window(in_window)
                 select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
+                finished = self.routing.finished_at >= 0
+                if self._pads_finished_rows and not self._beam_generation and bool(finished.any()):
+                    # a stopped row's later tokens are padding, whatever they attend: no Full pass for them
+                    select_full = select_full & ~finished.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())
         rows = None if local_hidden is None or not run_full else self._retry_rows(

@@ -378,3 +378,24 @@ def test_untested_architecture_without_final_hidden_states_is_refused(caplog):
             pytest.raises(ValueError, match="'llama4_text': its get_decoder\\(\\) does not return the final hidden"):
         OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy="full"))
     assert "ODA will run" not in caplog.text
+
+
+def test_rows_stopped_at_eos_run_no_full_pass():
+    """generate() pads a row after its EOS, so ODA runs no Full pass for it (a recall there would be a whole retry
+    spent on padding); the rows still decoding are untouched: with Full on every decided step they equal stock."""
+    base = tiny_model("qwen3")
+    model = OdaForCausalLM(base, oda_config=OdaConfig(sinks=2, window=4, policy=SchedulePolicy(1, 1)))
+    ids = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(5))
+    free = base.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 9 + 2])
+    stock = base.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(out, stock)
+    finished_at = model.routing.finished_at.tolist()
+    assert finished_at[0] == 2 and out.shape[1] > 9 + 4   # row 0 stops early, another row decodes on
+    raw = torch.stack(model.routing._decisions)           # [routed steps, rows], steps after a stop included
+    for row, stop in enumerate(finished_at):
+        taken = raw[:, row] if stop < 0 else raw[:stop, row]
+        assert bool(taken.all())                           # Full on every step while the row decodes
+        if stop >= 0:
+            assert not bool(raw[stop:, row].any())         # none after it

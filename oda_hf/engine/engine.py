@@ -367,13 +367,17 @@ class OdaStaticEngine:
         return mask
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """One routed step for the current tokens (``[B]`` or ``[B, 1]``); returns logits ``[B, vocab]``."""
+    def step(self, input_ids: torch.Tensor, decoding: torch.Tensor | None = None) -> torch.Tensor:
+        """One routed step for the current tokens (``[B]`` or ``[B, 1]``); returns logits ``[B, vocab]``.
+
+        `decoding` (bool ``[B]``, optional): False for rows that stopped (their token is padding): they take Local."""
         self._require_request()
         if self._steps >= self._step_limit:  # e.g. Random's per-step decisions were drawn for this many steps
             raise RuntimeError(f"This request was started for {self._step_limit} routed steps (the engine's capacity "
                                "or max_new_tokens - 1); start it with a larger limit.")
         self.state.input_ids.copy_(input_ids.reshape(self.batch_size, 1))
+        if decoding is not None:
+            self.state.decoding.copy_(decoding.reshape(self.batch_size))
         key = self.graph_key()
         try:
             if self.graphs is not None and not self._captured(key):
@@ -484,7 +488,7 @@ class OdaStaticEngine:
         # every row is in the window, where the HF path skips it.
         in_window = state.valid_count + 1 <= self.sinks + self.window
         if plan.run_local:
-            select_full = select_full & ~in_window
+            select_full = select_full & ~in_window & state.decoding   # a stopped row's token is padding
             if scores is not None:
                 scores = torch.where(in_window.all(), torch.full_like(scores, float("nan")), scores)
         device_routing.record(state, select_full, scores, in_window)

@@ -171,7 +171,7 @@ def run_request(engine, request: Request):
             unfinished = unfinished & ~torch.isin(next_tokens, eos)
         if length >= total or (eos is not None and int(unfinished.max()) == 0):
             break
-        logits = engine.step(next_tokens)
+        logits = engine.step(next_tokens, None if eos is None else unfinished.bool())
     sequences = sequences[:, :length]
     if eos is not None:
         engine.mark_finished(_first_eos(sequences[:, prompt:], eos))

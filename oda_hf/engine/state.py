@@ -16,6 +16,7 @@ cache_position      long ``[1]``                        ``n``: committed columns
 valid_count         long ``[B]``                        committed non-padding positions per row
 selected_hidden     ``[B, d]``                          the head's H input (preceding selected hidden)
 input_ids           long ``[B, 1]``                     the current token (copied in before a step)
+decoding            bool ``[B]``                        False for a row that stopped (EOS): no Full pass for it
 step_counter        long ``[1]``                        routed steps taken in this request
 full_calls          long ``[B]``                        Full decisions per row in this request
 decisions / scores  ``[capacity, B]``                   per-step routing record (bool / fp32 score)
@@ -48,6 +49,7 @@ class EngineState:
     valid_count: torch.Tensor
     selected_hidden: torch.Tensor
     input_ids: torch.Tensor
+    decoding: torch.Tensor
     step_counter: torch.Tensor
     full_calls: torch.Tensor
     decisions: torch.Tensor
@@ -75,6 +77,7 @@ class EngineState:
             valid_count=torch.zeros(batch, dtype=torch.long, device=device),
             selected_hidden=torch.zeros(batch, hidden, **kv),
             input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
+            decoding=torch.ones(batch, dtype=torch.bool, device=device),
             step_counter=torch.zeros(1, dtype=torch.long, device=device),
             full_calls=torch.zeros(batch, dtype=torch.long, device=device),
             decisions=torch.zeros(capacity, batch, dtype=torch.bool, device=device),
@@ -116,6 +119,7 @@ class EngineState:
             getattr(self, name).zero_()
         self.scores.fill_(float("nan"))
         self.column_valid.fill_(True)
+        self.decoding.fill_(True)
 
     def load_prefix(self, valid: torch.Tensor, sinks: int, window: int) -> None:
         """Set the counters and build the Local workspace after columns ``[0, n)`` of the cache were filled.
