@@ -264,7 +264,8 @@ class RecallHeadSwiGLUBlock(nn.Module):
 class RecallHead(PreTrainedModel):
     """The recall head: three towers, a pairwise-interaction fusion, two SwiGLU blocks, a scalar out.
 
-    Always FP32, whatever the base model's dtype: `forward` casts its inputs to float32.
+    FP32 whatever the base model's dtype (`OdaForCausalLM` keeps it so through `to()`): `forward` casts its inputs
+    to the head's own dtype, so a head a user casts itself (``head.bfloat16()``) runs in that dtype.
     """
 
     config_class = RecallHeadConfig
@@ -304,8 +305,9 @@ class RecallHead(PreTrainedModel):
         for name in set(self.config.input_variant):
             if streams[name] is None:
                 raise ValueError(f"RecallHead variant {self.config.input_variant} needs stream {name}.")
+        dtype = self.score.weight.dtype
         a, b, c = (
-            tower(streams[name].float())
+            tower(streams[name].to(dtype))
             for tower, name in zip(
                 (self.tower_a, self.tower_b, self.tower_c), INPUT_VARIANTS[self.config.input_variant]
             )

@@ -53,6 +53,26 @@ def test_head_is_fp32_on_a_bf16_base():
     assert out.shape == (1, 16) and model.routing.scores.dtype == torch.float32
 
 
+
+def test_a_head_cast_by_the_user_runs_in_its_dtype():
+    """`head.bfloat16()` (the model keeps its head FP32 through `to()`, but a user may cast the head itself) scores
+    in bfloat16 from inputs of any dtype; it once failed with a bare matmul dtype error."""
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig(hidden_size=16, head_width=8))
+    streams = [torch.randn(3, 16) for _ in range(3)]
+    reference = head(*streams)
+    head.bfloat16()
+    for dtype in (torch.float32, torch.bfloat16):
+        q = head(*(x.to(dtype) for x in streams))
+        assert q.dtype == torch.bfloat16 and torch.allclose(q.float(), reference, atol=0.1, rtol=0.05)
+    base = tiny_model("qwen3")
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4))
+    model.recall_head.bfloat16()
+    model.generate(input_ids=torch.randint(3, 97, (1, 10)), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert model.routing.decided_steps_per_row.tolist() == [5] and model.routing.scores[0, -1].isfinite()
+
+
 def test_save_load_round_trip_is_bit_exact(tmp_path):
     base = tiny_model("qwen3")
     config = RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4, oda_lambda=0.0, tau_hist=0.001,
