@@ -37,10 +37,15 @@ def _bounds(minimum, maximum, exclusive_minimum: bool = False) -> str:
     return f" {low or high}" if (low or high) else ""
 
 
+def _boolean(value) -> bool:
+    """A Python, numpy or torch boolean (numpy's and torch's convert to 1/0 like ints; none is a number here)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
 def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, meaning: str = "") -> int:
     """`value` as an int in [minimum, maximum]: numpy/torch integers are accepted, bools, floats and strings are not."""
     what = f"`{name}` must be an integer{_bounds(minimum, maximum)}" + (f" ({meaning})" if meaning else "")
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    if _boolean(value) or not hasattr(value, "__index__"):
         raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).")
     value = value.__index__()
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -53,7 +58,7 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
     """`value` as a float in range; NaN is always refused, infinities unless ``finite=False``."""
     what = (f"`{name}` must be a {'finite ' if finite else ''}number{_bounds(minimum, maximum, exclusive_minimum)}"
             + (f" ({meaning})" if meaning else ""))
-    if isinstance(value, bool) or isinstance(value, str):
+    if _boolean(value) or isinstance(value, str):
         raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).")
     try:
         value = float(value)

@@ -59,6 +59,10 @@ BAD_VALUES = [  # (check, bounds, value, error, message fragment)
     (number, {}, None, TypeError, "got None (NoneType)"),
     (number, {}, 10**400, ValueError, "must be a finite number; got an integer too large for a float"),
     (number, {}, False, TypeError, "(bool)"),
+    (integer, {}, torch.tensor(True), TypeError, "got tensor(True) (Tensor)"),   # numpy/torch booleans: not 1/0
+    (integer, {}, np.False_, TypeError, "must be an integer; got"),
+    (number, {}, np.True_, TypeError, "must be a finite number; got"),
+    (number, {}, torch.tensor(True), TypeError, "(Tensor)"),
     (probability, {}, 1.5, ValueError, ">= 0 and <= 1 (a probability); got 1.5"),
 ]
 
