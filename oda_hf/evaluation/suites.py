@@ -143,7 +143,7 @@ def load_examples(source: str | os.PathLike | Iterable[dict], *, default_max_new
                   tasks: Sequence[str] | None = None, limit: int | None = None) -> list[EvalExample]:
     """Generic suite from a JSONL path, a directory of them (searched recursively) or an iterable of dicts.
 
-    `tasks` keeps only those tasks; `limit` keeps the first `limit` examples of each task.
+    `tasks` keeps only those tasks; `limit` keeps `limit` examples of each task, spread over it (`spread_subset`).
     Example ids must be unique (they key the resumable results file).
     """
     if isinstance(source, (str, os.PathLike)):
