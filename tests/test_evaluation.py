@@ -66,6 +66,15 @@ def test_ruler_string_match():
     assert metrics.default_metric("niah_multivalue") == "string_match_all"
 
 
+def test_ruler_metrics_count_every_reference_and_default_niah_names():
+    """Found by a mutation audit: nothing failed with string_match_all dividing by the distinct references (a repeated
+    one scored above its share) or with niah_* names outside RULER's list left without a default metric."""
+    assert metrics.string_match_all("1234567", ["1234567", "1234567", "7654321"]) == pytest.approx(2 / 3)
+    assert metrics.string_match_all("7654321", ["1234567", "1234567", "7654321"]) == pytest.approx(1 / 3)
+    assert metrics.default_metric("niah_custom") == "string_match_all"
+    assert metrics.default_metric("qa_custom") == "string_match_part"
+
+
 def test_longbench_english_f1():
     # normalized prediction "eiffel tower paris" (3 tokens) vs "eiffel tower" (2): P = 2/3, R = 1.
     assert metrics.qa_f1_score("The Eiffel Tower, Paris!", "eiffel tower") == pytest.approx(0.8)
@@ -150,6 +159,14 @@ def test_ruler_adapter(tmp_path):
         suites.load_ruler(tmp_path / "odd")
 
 
+def test_ruler_adapter_reads_a_task_folder_of_test_jsonl(tmp_path):
+    """Found by a mutation audit: nothing failed when RULER's <task>/test.jsonl layout (beside validation.jsonl) no
+    longer named its task from the folder."""
+    _write_jsonl(tmp_path / "niah_multikey_2" / "test.jsonl", [{"index": 0, "input": "x", "outputs": ["1"]}])
+    (example,) = suites.load_ruler(tmp_path)
+    assert (example.id, example.task, example.max_new_tokens) == ("niah_multikey_2/0", "niah_multikey_2", 128)
+
+
 def test_longbench_adapter_templates_caps_and_middle_truncation(tmp_path):
     assert set(suites.LONGBENCH_PROMPTS) == set(metrics.LONGBENCH_TASKS) and len(metrics.LONGBENCH_TASKS) == 10
     assert suites.LONGBENCH_MAX_NEW_TOKENS["qmsum"] == 512 and suites.LONGBENCH_MAX_NEW_TOKENS["qasper"] == 128
@@ -199,6 +216,20 @@ def test_generic_suite_records_and_errors(tmp_path):
     path.write_text(json.dumps(good) + "\n{not json\n")
     with pytest.raises(ValueError, match="suite.jsonl:2"):
         suites.load_examples(path)
+
+
+def test_blank_answers_are_refused_and_meta_cannot_overwrite_record_fields(tmp_path):
+    """Found by a mutation audit: nothing failed with a whitespace-only answer accepted (" " is in almost any output,
+    a wrong one scored 1.0) or with meta keys overwriting a written record's id, task or metric."""
+    good = {"id": "a", "task": "niah_single_1", "prompt": "p", "answers": ["w7"], "max_new_tokens": 4}
+    for answers in ([" "], ["w7", "\t"]):
+        with pytest.raises(ValueError, match="answers"):
+            suites.load_examples([{**good, "answers": answers}])
+    example = suites.EvalExample(id="a", task="t", answers=["1"], max_new_tokens=1, metric="string_match_all",
+                                 prompt="p", meta={"id": "b", "task": "other", "metric": "qa_f1_score", "length": 7})
+    suites.write_examples([example], tmp_path / "s.jsonl")
+    (back,) = suites.load_examples(tmp_path / "s.jsonl")
+    assert (back.id, back.task, back.metric, back.meta["length"]) == ("a", "t", "string_match_all", 7)
 
 
 def test_organism_examples_round_trip_through_jsonl(tmp_path):

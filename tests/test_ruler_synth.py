@@ -69,12 +69,56 @@ def test_all_eleven_tasks_with_ruler_caps_and_metrics(suite):
     assert len({e.id for e in suite}) == len(suite) == 11 * 2 * 3
 
 
+#: RULER's scripts/synthetic.yaml, spelled out: (task class, its fields in order).
+RULER_TABLE = {
+    "niah_single_1": ("NiahTask", "noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": ("NiahTask", "essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("NiahTask", "essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": ("NiahTask", "essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("NiahTask", "needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("NiahTask", "needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("NiahTask", "essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("NiahTask", "essay", "words", "numbers", 1, 1, 4),
+    "vt": ("VariableTrackingTask", 1, 4),
+    "cwe": ("CommonWordsTask", 30, 3, 10),
+    "fwe": ("FrequentWordsTask", 2.0, 6),
+}
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+def test_task_table_is_rulers(tok):
+    """Found by a mutation audit: the tests read their expectations back from TASKS, so a wrong entry (multikey_1
+    with 2 keys, cwe repeating 20 times, multikey_3 with word keys, single_1 in prose) passed."""
+    import dataclasses
+
+    assert {task: (type(spec).__name__, *dataclasses.astuple(spec)) for task, spec in ruler_synth.TASKS.items()} \
+        == RULER_TABLE
+    examples = {e.task: e for e in ruler_synth.generate_suite(
+        tok, tasks=["niah_single_1", "niah_multikey_1", "niah_multikey_3"], lengths=[1024], n=1, haystack="kjv")}
+    assert len(re.findall(r"One of the special magic numbers for ", examples["niah_multikey_1"].prompt)) == 4
+    single_1 = examples["niah_single_1"]
+    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    lines = [line for line in single_1.prompt.split("\n")[1:-1] if "special magic" not in line]
+    assert single_1.meta["haystack"] == "noise" and len(lines) > 20 and all(noise.startswith(x) for x in lines)
+    keys = re.findall(r"One of the special magic uuids for (\S+) is: (\S+)\.", examples["niah_multikey_3"].prompt)
+    assert len(keys) > 10 and all(UUID.fullmatch(k) and UUID.fullmatch(v) for k, v in keys)
+
+
 def test_same_arguments_give_identical_examples_and_other_seeds_differ(tok, suite):
     again = ruler_synth.generate_suite(tok, lengths=[1024, 2048], split="test", n=3, haystack="kjv", seed=0)
     assert [e.to_dict() for e in again] == [e.to_dict() for e in suite]
     other = ruler_synth.generate_suite(tok, tasks=["niah_single_2", "vt"], lengths=[1024], n=3, seed=1)
     same_seed = [e for e in suite if e.task in ("niah_single_2", "vt") and e.meta["length"] == 1024]
     assert all(a.answers != b.answers and a.prompt != b.prompt for a, b in zip(other, same_seed))
+
+
+def test_every_length_draws_its_own_needles(tok):
+    """Found by a mutation audit: nothing failed with the length left out of a prompt's seed (every length reused
+    the same keys and values)."""
+    examples = ruler_synth.generate_suite(tok, tasks=["niah_single_1"], lengths=[512, 600], n=2)
+    for short, long in zip(examples[:2], examples[2:]):
+        assert short.meta["index"] == long.meta["index"] and short.meta["example_seed"] != long.meta["example_seed"]
+        assert short.answers != long.answers
 
 
 @pytest.mark.parametrize("chat_template", [True, False])
@@ -86,6 +130,17 @@ def test_prompt_lengths_within_two_percent_as_eval_encodes_them(chat_template):
         measured = len(encode_prompt(example, tok, chat_template=chat_template))
         assert measured == example.meta["tokens"]
         assert abs(measured - example.meta["length"]) <= 0.02 * example.meta["length"], example.id
+
+
+def test_distractor_draws_are_tried_when_their_token_counts_differ():
+    """Found by a mutation audit: with the suite's word-level tokenizer every UUID distractor has the same count, so
+    nothing failed with the filler variants all alike or never tried; digits split one by one tell them apart."""
+    tok = tiny_tokenizer()
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)])
+    examples = ruler_synth.generate_suite(tok, tasks=["niah_multikey_3"], lengths=[1500], n=3, tolerance=0.05)
+    assert any(e.meta["filler_variant"] for e in examples)
+    assert all(abs(e.meta["tokens"] - 1500) <= 0.015 * 1500 for e in examples), [e.meta["tokens"] for e in examples]
 
 
 def test_lengths_with_the_prose_haystack(suite, tok):
@@ -137,6 +192,28 @@ def test_splits_are_disjoint_in_seeds_needles_and_haystack_text(tok):
             assert owners == [split], (example.id, owners)
 
 
+def test_essay_tasks_use_the_haystack_asked_for(tok):
+    """Found by a mutation audit: nothing failed when the essay tasks ignored `haystack` (noise for all), since the
+    split test skips every example whose meta does not say kjv."""
+    text = " ".join(haystacks.prose_words("kjv", "test"))
+    essay = ["niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery"]
+    examples = ruler_synth.generate_suite(tok, tasks=essay, lengths=[512], n=1, haystack="kjv")
+    assert [e.task for e in examples] == essay
+    for example in examples:
+        assert example.meta["haystack"] == "kjv" and haystack_sentence(example) in text, example.id
+        assert "The grass is green." not in example.prompt
+
+
+def test_a_prose_haystack_opens_at_a_sentence_start(tok):
+    """Found by a mutation audit: nothing failed when a prose haystack started at any word, mid-sentence."""
+    words = haystacks.prose_words("kjv", "test")
+    for example in ruler_synth.generate_suite(tok, tasks=["niah_single_2"], lengths=[512], n=4, haystack="kjv"):
+        start = example.meta["haystack_start_word"]
+        assert start == 0 or words[start - 1].endswith((".", "!", "?")), (example.id, words[start - 1])
+        prose = re.sub(r"One of the special magic numbers for \S+ is: \d+\. ?", "", example.prompt.split("\n")[1])
+        assert prose.startswith(" ".join(words[start:start + 3]))
+
+
 def test_kjv_text_is_checked_and_split_by_testament():
     verses = haystacks.kjv_verses()
     assert len(verses) == 31102 and verses[0][1].startswith("In the beginning God created")
@@ -173,6 +250,49 @@ def test_niah_needles_and_queries_follow_ruler(suite):
         assert len(set(depths)) == len(depths) and example.meta["depth"] in depths
 
 
+def test_niah_question_answer_prefix_and_single_depth_are_rulers(tok):
+    """Found by a mutation audit: nothing failed with the queried keys joined without RULER's ", and", the answer
+    prefix without its leading space, or the one prompt of n = 1 at depth 0 instead of 50."""
+    examples = {e.task: e for e in ruler_synth.generate_suite(
+        tok, tasks=["niah_single_2", "niah_multiquery"], lengths=[512], n=1, haystack="noise")}
+    multiquery = examples["niah_multiquery"]
+    needles = dict((v, k) for k, v in re.findall(r"One of the special magic numbers for (\S+) is: (\d+)\.",
+                                                 multiquery.prompt))
+    a, b, c, d = [needles[answer] for answer in multiquery.answers]
+    query = f"{a}, {b}, {c}, and {d}"
+    assert multiquery.prompt.rsplit("\n", 1)[1] == \
+        f"What are all the special magic numbers for {query} mentioned in the provided text?"
+    assert multiquery.answer_prefix == f" The special magic numbers for {query} mentioned in the provided text are"
+    single = examples["niah_single_2"]
+    (key,) = re.findall(r"One of the special magic numbers for (\S+) is: ", single.prompt)
+    assert single.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
+    assert single.meta["depth"] == 50 and multiquery.meta["depth"] == 50
+
+
+def test_distractor_needles_have_the_value_type(tok):
+    """Found by a mutation audit: nothing failed when multikey_2's distractors got word values (the one number among
+    them gives the answer away)."""
+    examples = {e.task: e for e in ruler_synth.generate_suite(
+        tok, tasks=["niah_multikey_2", "niah_multikey_3"], lengths=[1024], n=1)}
+    numbers = re.findall(r"One of the special magic numbers for (\S+) is: (\S+)\.", examples["niah_multikey_2"].prompt)
+    assert len(numbers) > 10 and all("-" in k and re.fullmatch(r"\d{7}", v) for k, v in numbers)
+    uuids = re.findall(r"One of the special magic uuids for (\S+) is: (\S+)\.", examples["niah_multikey_3"].prompt)
+    assert len(uuids) > 10 and all(UUID.fullmatch(k) and UUID.fullmatch(v) for k, v in uuids)
+
+
+def test_needle_keys_never_repeat_even_from_a_small_word_list(monkeypatch):
+    """Found by a mutation audit: with the real word lists a repeated key is rare, and nothing failed when drawn keys
+    were not set aside or distractors could repeat the queried key; 3 x 3 words (9 keys) force a repeat there."""
+    monkeypatch.setitem(ruler_synth._WORDS, "adjectives", ("red", "big", "old"))
+    monkeypatch.setitem(ruler_synth._WORDS, "nouns", ("cat", "dog", "hat"))
+    for task, size in (("niah_multikey_2", 8), ("niah_multikey_1", 50)):
+        for seed in range(20):
+            ctx = ruler_synth._Context(task, "test", 1024, 0, 1, "noise", seed)
+            build, _, _ = ruler_synth._niah(ruler_synth.TASKS[task], ctx)
+            keys = [k for k, _ in re.findall(r"magic numbers for (\S+) is: (\S+)\.", build(size).prompt)]
+            assert len(keys) == (9 if task == "niah_multikey_2" else 4) and len(set(keys)) == len(keys), (task, keys)
+
+
 def test_vt_chain_is_in_the_prompt(suite):
     for example in by_task(suite)["vt"]:
         names = example.answers
@@ -188,6 +308,15 @@ def test_vt_chain_is_in_the_prompt(suite):
         assert re.search(r"they are: [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3} [A-Z]{3}\n", example.prompt)
 
 
+def test_vt_example_answers_its_chain_in_order(tok):
+    """Found by a mutation audit: nothing failed when the solved example listed its chain's variables reversed."""
+    example = ruler_synth.generate_suite(tok, tasks=["vt"], lengths=[1024], n=1)[0]
+    solved = example.prompt.split("\n\nMemorize and track")[0]
+    chain = re.findall(r"VAR ([A-Z]{3}) = ", solved)
+    assert len(chain) == 5
+    assert solved.rsplit("they are: ", 1)[1].split() == chain
+
+
 def test_cwe_common_words_are_the_most_frequent(suite):
     for example in by_task(suite)["cwe"]:
         main_list = example.prompt.rsplit("Memorize the ones that appear most often.\n", 1)[1].split("\nQuestion")[0]
@@ -199,6 +328,38 @@ def test_cwe_common_words_are_the_most_frequent(suite):
         assert example.prompt.count("Question: What are the 10 most common words in the above list?") == 2
 
 
+@pytest.mark.parametrize("length, setting", [(3975, "small"), (3976, "large"), (4096, "large")])
+def test_cwe_setting_switches_where_rulers_does(tok, length, setting):
+    """Found by a mutation audit: no test generated cwe's large setting (prompt + 120-token cap >= 4096), so nothing
+    failed with the switch moved, 20 repeats instead of 30, or a 20-word solved example at large lengths."""
+    example = ruler_synth.generate_suite(tok, tasks=["cwe"], lengths=[length], n=1)[0]
+    assert example.meta["setting"] == setting
+    solved, main_list = example.prompt.split("\nBelow is a numbered list", 1)
+    solved_list, solved_answer = solved.split("Answer: The top 10 words that appear most often in the list are: ")
+    listed = re.findall(r"\d+\. (\S+)", solved_list)
+    answer = re.findall(r"\d+\. (\S+)", solved_answer)
+    counts, main_counts = Counter(listed), Counter(re.findall(r"\d+\. (\S+)", main_list))
+    (common, uncommon), (example_common, example_uncommon), words = \
+        ((6, 1), (3, 1), 20) if setting == "small" else ((30, 3), (10, 3), 40)
+    assert sorted(set(main_counts.values())) == [uncommon, common]
+    assert sorted(w for w, c in main_counts.items() if c == common) == sorted(example.answers)
+    # the solved example: its stated answer words repeat most, and the list is shuffled
+    assert len(counts) == words and len(answer) == 10
+    assert [counts[w] for w in answer] == [example_common] * 10
+    assert all(c == example_uncommon for w, c in counts.items() if w not in answer)
+    positions = [i for i, w in enumerate(listed) if w in answer]
+    assert max(positions) >= 10 * example_common and listed[:10] != answer
+
+
+def test_cwe_list_is_shuffled(tok):
+    """Found by a mutation audit: nothing failed with the numbered list unshuffled (the answer words first)."""
+    example = ruler_synth.generate_suite(tok, tasks=["cwe"], lengths=[1024], n=1)[0]
+    main_list = example.prompt.rsplit("Memorize the ones that appear most often.\n", 1)[1].split("\nQuestion")[0]
+    listed = re.findall(r"\d+\. (\S+)", main_list)
+    positions = [i / (len(listed) - 1) for i, w in enumerate(listed) if w in example.answers]
+    assert len(positions) == 60 and abs(sum(positions) / len(positions) - 0.5) < 0.1
+
+
 def test_fwe_answers_are_the_three_most_frequent_coded_words(suite):
     for example in by_task(suite)["fwe"]:
         text = example.prompt.split("coded words. ", 1)[1].split("\nQuestion")[0]
@@ -206,6 +367,17 @@ def test_fwe_answers_are_the_three_most_frequent_coded_words(suite):
         assert ranked[0] == "..." and ranked[1:4] == example.answers
         counts = Counter(text.split())
         assert counts[example.answers[0]] > counts[example.answers[1]] > counts[example.answers[2]] > counts[ranked[4]]
+
+
+def test_fwe_text_is_shuffled_over_rulers_vocabulary(tok):
+    """Found by a mutation audit: nothing failed with the coded text unshuffled (the words in rank order) or with a
+    vocabulary of length // 500 words (RULER: max(length // 50, 8))."""
+    example = ruler_synth.generate_suite(tok, tasks=["fwe"], lengths=[1024], n=1)[0]
+    text = example.prompt.split("coded words. ", 1)[1].split("\nQuestion")[0].split()
+    assert len(set(text)) == max(1024 // 50, 8) == 20
+    for words in (["..."], example.answers):
+        positions = [i / (len(text) - 1) for i, w in enumerate(text) if w in words]
+        assert len(positions) > 100 and abs(sum(positions) / len(positions) - 0.5) < 0.1, words
 
 
 def test_ruler_metrics_on_hand_made_cases():
@@ -333,6 +505,27 @@ def test_python_docs_root_picks_the_newest_version(monkeypatch, tmp_path):
         (tmp_path / f"python{version}" / "html").mkdir(parents=True)
     monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
     assert haystacks.python_docs_root() == str(tmp_path / "python3.11" / "html")
+
+
+def test_python_docs_prose_leaves_out_code_and_keeps_splits_apart(monkeypatch, tmp_path):
+    """Found by a mutation audit: the python-docs text was only tested with python3.X-doc installed (not in CI), and
+    nothing failed with <pre> code kept as prose or the tutorial in both dev and test. A small fake tree here."""
+    html = tmp_path / "python3.12" / "html"
+    for section in ("tutorial", "howto", "library"):
+        (html / section).mkdir(parents=True)
+        (html / section / "index.html").write_text(
+            f"<html><body><p>{section} prose {section}1 {section}2 {section}3 {section}4."
+            "<pre>import os; secret_code = 1 + 2 + 3</pre></p><p>Too short to be prose.</p></body></html>")
+    monkeypatch.setattr(haystacks, "PYTHON_DOCS_GLOB", str(tmp_path / "python3.*" / "html"))
+    haystacks.prose_words.cache_clear()  # cached by (haystack, split): another test's docs must not answer
+    try:
+        words = {split: haystacks.prose_words("python-docs", split) for split in haystacks.SPLITS}
+    finally:
+        haystacks.prose_words.cache_clear()
+    assert words["test"] == ("tutorial", "prose", "tutorial1", "tutorial2", "tutorial3", "tutorial4.")
+    assert words["dev"] == ("howto", "prose", "howto1", "howto2", "howto3", "howto4.")
+    assert set(words["dev"]) & set(words["test"]) == {"prose"}
+    assert all("secret_code" not in w for split in words.values() for w in split)
 
 
 @pytest.mark.skipif(not __import__("glob").glob(haystacks.PYTHON_DOCS_GLOB), reason="no python3.X-doc installed")
