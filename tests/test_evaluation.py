@@ -715,6 +715,28 @@ def test_evaluate_shares_one_prefill_per_prompt(tmp_path, monkeypatch):
     assert len(made) == 2 * len(examples) and sum(takes) == len(made) and len(takes) == len(examples) * len(policies)
 
 
+@pytest.mark.parametrize("key", ["forced_eos_token_id", "begin_suppress_tokens"])
+def test_generation_keys_counted_from_a_calls_start_get_a_prefill_per_policy(tmp_path, key):
+    """Found by an audit: a shared prefill's first token comes from a generate() call of its own and the continuation
+    starts one token later, so processors counted from a call's start acted elsewhere (forced_eos_token_id: every
+    shared output empty; begin_suppress_tokens: suppressed again at the second token), exit 0. With such a key set,
+    `evaluate` gives each policy its own prefill, and the records equal separate generate() calls."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    examples = _suite(n_per_task=1)
+    policies = [runner.full(), runner.streaming_llm(), runner.oda(0.0)]
+    first = runner.generate_record(model, tokenizer, examples[0], runner.full(),
+                                   runner.encode_prompt(examples[0], tokenizer, False))["output_ids"]
+    value = {"forced_eos_token_id": first[0], "begin_suppress_tokens": [first[1]]}[key]
+    setattr(model.generation_config, key, value)
+    separate = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "a.jsonl", progress=False,
+                               share_prefill=False)
+    shared = runner.evaluate(model, tokenizer, examples, policies, tmp_path / "b.jsonl", progress=False)
+    assert shared == separate
+    by_policy = {r["policy"]: r for r in shared if r["id"] == examples[0].id}
+    assert by_policy["full"]["output_ids"] != [first[0]]   # not cut to the forced EOS at the first token
+    assert by_policy["full"]["output_ids"][1] == first[1] or key == "forced_eos_token_id"
+
+
 def test_resume_skips_finished_records(tmp_path, monkeypatch):
     model, tokenizer = oda_model(), word_tokenizer()
     examples, policies = _suite(n_per_task=1), [runner.full(), runner.oda(0.0), runner.random_matched(0.0, 42)]

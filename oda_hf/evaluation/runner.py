@@ -326,6 +326,13 @@ GREEDY_GENERATION_KEYS = (
 )
 
 
+#: Generation-config keys whose processors count from the start of a `generate()` call (the first output token, or
+#: the call's max_length): a shared prefill's first token comes from a call of its own, and the policy's continuation
+#: starts one token later, so with any of them set every policy runs its own prefill (measured: forced_eos_token_id
+#: made every shared output empty; begin_suppress_tokens suppressed again at the second token).
+CALL_START_GENERATION_KEYS = ("forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty")
+
+
 def generation_fingerprint(model, tokenizer) -> str:
     """SHA-256 of what greedy decoding reads from the model's generation config (`greedy_config`, its
     `GREEDY_GENERATION_KEYS`): another generation_config.json gives other outputs from the same weights."""
@@ -948,7 +955,8 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
     Records already in `output_path` are reused, not regenerated. Matched Random policies run after
     the ODA policy they match, with its per-task rates over these examples. `share_prefill`: one
     Full prefill per prompt for all its policies (same results; ``False`` runs one prefill per
-    policy and holds the prompt's KV only once, for prompts whose KV fits in memory only once).
+    policy and holds the prompt's KV only once, for prompts whose KV fits in memory only once; also what runs when
+    the generation config sets one of `CALL_START_GENERATION_KEYS`).
 
     Every record carries the settings it was made with (`record_settings`), and the run's settings
     go to a manifest (default: `output_path` with the suffix ``.manifest.json``). A rerun whose
@@ -983,6 +991,11 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
         write_manifest(manifest_path, settings, output_path)
     direct = [s for s in policies if not (s.kind == "random" and s.matched)]
     matched = [s for s in policies if s.kind == "random" and s.matched]
+    counted_from_start = [key for key in CALL_START_GENERATION_KEYS if getattr(model.generation_config, key, None)]
+    if share_prefill and counted_from_start:
+        logger.info("One prefill per policy: the generation config sets %s, which counts from a generate() call's "
+                    "start (a shared prefill's continuation would start later).", ", ".join(counted_from_start))
+        share_prefill = False
 
     def run(jobs, description):
         jobs = [(example, spec, p) for example, spec, p in jobs if not _finished(results, example, spec, p)]
