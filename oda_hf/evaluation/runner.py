@@ -991,7 +991,8 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
         write_manifest(manifest_path, settings, output_path)
     direct = [s for s in policies if not (s.kind == "random" and s.matched)]
     matched = [s for s in policies if s.kind == "random" and s.matched]
-    counted_from_start = [key for key in CALL_START_GENERATION_KEYS if getattr(model.generation_config, key, None)]
+    counted_from_start = [key for key in CALL_START_GENERATION_KEYS
+                          if getattr(model.generation_config, key, None) not in (None, [], ())]   # token id 0 counts
     if share_prefill and counted_from_start:
         logger.info("One prefill per policy: the generation config sets %s, which counts from a generate() call's "
                     "start (a shared prefill's continuation would start later).", ", ".join(counted_from_start))
