@@ -94,6 +94,17 @@ def test_a_limit_spreads_the_examples_over_the_suite():
     assert suites.spread_subset(items, 1) == [4] and suites.spread_subset(items[:3], 5) == [0, 1, 2]
 
 
+def test_tasks_keep_only_those_tasks():
+    """Found by a mutation audit: `select_examples` and `load_examples` dropped the `tasks=` filter (its unknown-task
+    check kept), so `--tasks a` evaluated every task."""
+    examples = [suites.EvalExample(id=f"{task}/{i}", task=task, answers=["w5"], max_new_tokens=4,
+                                   metric="string_match_all", prompt="w9") for task in ("a", "b") for i in range(3)]
+    assert [e.id for e in suites.select_examples(examples, ["a"], None)] == ["a/0", "a/1", "a/2"]
+    assert [e.id for e in suites.select_examples(examples, ["a"], 2)] == ["a/0", "a/2"]
+    loaded = suites.load_examples([e.to_dict() for e in examples], tasks=["a"])
+    assert [e.id for e in loaded] == ["a/0", "a/1", "a/2"]
+
+
 def test_longbench_chinese_f1():
     # Character level: 北 京 大 学 (the 。 is punctuation) vs 北 京: P = 1/2, R = 1.
     assert metrics.qa_f1_zh_score("北京大学。", "北京", segmentation="char") == pytest.approx(2 / 3)
@@ -283,6 +294,19 @@ def test_window_steps_are_set_apart_and_both_rates_named():
     assert report.summarize([old])["oda@0"].pooled_rate.mean == pytest.approx(3 / 10)
     text = report.markdown_report([windowed])
     assert "In window" in text and "Paper rate (pooled)" in text and "| 4 | 3 | 50.00% |" in text
+
+
+def test_full_calls_count_the_full_calls_within_sinks_and_window():
+    """Found by a mutation audit: a record's full_calls left out the Full calls made within sinks + window (a short
+    prompt), so the Full control's decided rate fell below 1."""
+    model = oda_model()  # sinks=2, window=4
+    example = suites.EvalExample(id="s/0", task="s", answers=["w5"], max_new_tokens=8, metric="string_match_all",
+                                 input_ids=[10, 11, 12])
+    record = runner.generate_record(model, None, example, runner.full(), example.input_ids)
+    assert record["window_steps"] > 0 and record["window_full_calls"] == record["window_steps"]
+    assert record["full_calls"] == sum(record["decisions"]) == record["routed_steps"] == 7
+    calls, decided = runner.decided_counts(record)
+    assert calls == decided > 0
 
 
 def test_the_report_averages_over_tasks_and_rates_over_decided_steps():
@@ -698,6 +722,69 @@ def test_shared_prefill_stops_at_eos_like_generate():
     assert shared == separate and all(r["routed_steps"] == 0 for r in shared)
 
 
+@pytest.mark.filterwarnings("error:Unfeasible length constraints")   # nor warns of min vs max on its one-token call
+def test_shared_prefill_keeps_min_new_tokens_like_generate():
+    """Found by a mutation audit: the continuation after a shared prefill kept the whole min_new_tokens (not less the
+    prefill's token), so it ran past an EOS that a separate generate() stops at."""
+    model = oda_model()
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=6, metric="string_match_all",
+                                 input_ids=list(range(10, 24)))
+    full_ids = runner.generate_record(model, None, example, runner.full(), example.input_ids)["output_ids"]
+    model.generation_config.eos_token_id = full_ids[2]  # Full's 3rd token, which min_new_tokens=2 allows
+    model.generation_config.min_new_tokens = 2
+    separate, shared = _separate_and_shared(model, example)
+    assert shared == separate
+    assert shared[0]["output_ids"] == full_ids[:3] and not shared[0]["hit_cap"]
+
+
+def _answer_example():
+    return suites.EvalExample(id="q/0", task="q", answers=["w8 w85"], max_new_tokens=6, metric="qa_f1_score",
+                              input_ids=list(range(10, 24)))
+
+
+def test_output_text_leaves_out_special_tokens():
+    """Found by a mutation audit: the output was decoded with its special tokens, so the tiny model's <bos> showed in
+    the text and was scored against the answers."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    example = _answer_example()
+    record = runner.generate_record(model, tokenizer, example, runner.full(), example.input_ids)
+    assert tokenizer.bos_token_id in record["output_ids"]
+    assert not any(token in record["output"] for token in SPECIAL)
+    assert record["output"] == tokenizer.decode(record["output_ids"], skip_special_tokens=True)
+
+
+def test_generation_stops_at_the_models_eos_before_the_tokenizers():
+    """Found by a mutation audit: the tokenizer's EOS was taken before the model's generation config, so generation
+    ran past the model's EOS to the output cap."""
+    model, tokenizer = oda_model(), word_tokenizer()
+    example = _answer_example()
+    full_ids = runner.generate_record(model, tokenizer, example, runner.full(), example.input_ids)["output_ids"]
+    model.generation_config.eos_token_id = full_ids[2]
+    assert full_ids[2] != tokenizer.eos_token_id and tokenizer.eos_token_id not in full_ids
+    record = runner.generate_record(model, tokenizer, example, runner.full(), example.input_ids)
+    assert record["output_ids"] == full_ids[:3] and not record["hit_cap"] and record["routed_steps"] == 2
+    assert record["output"] == "w8 w85" and record["score"] == 1.0
+
+
+def test_chat_template_is_applied_without_thinking():
+    """Found by a mutation audit: the chat template was applied without enable_thinking=False (a Qwen3-style template
+    then leaves out its empty think block)."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
+                               "{% if add_generation_prompt %} w9{% if enable_thinking is defined and "
+                               "enable_thinking is false %} w10 w11{% endif %}{% endif %}")
+    example = suites.EvalExample(id="c/0", task="c", answers=["w5"], max_new_tokens=4, metric="string_match_all",
+                                 prompt="w20 w21 w22", answer_prefix=" w30")
+    assert runner.encode_prompt(example, tokenizer, chat_template=True) == [7, 20, 21, 22, 8, 9, 10, 11, 30]
+
+
+def test_token_id_prompts_keep_their_answer_prefix():
+    """Found by a mutation audit: a prompt given as token ids lost its answer prefix."""
+    example = suites.EvalExample(id="i/0", task="i", answers=["w5"], max_new_tokens=4, metric="string_match_all",
+                                 input_ids=[20, 21, 22], answer_prefix=" w30 w31")
+    assert runner.encode_prompt(example, word_tokenizer()) == [20, 21, 22, 30, 31]
+
+
 def test_evaluate_shares_one_prefill_per_prompt(tmp_path, monkeypatch):
     model, tokenizer = oda_model(), word_tokenizer()
     examples = _suite(n_per_task=1)
@@ -786,6 +873,21 @@ def test_matched_random_is_redone_when_odas_rate_moves(tmp_path, monkeypatch):
     assert calls.count("oda@0") == 4 and calls.count("random~oda@0/seed42") == 4 + len(moved)
     reread = runner.ResultsFile(path, repair=False).records
     assert [reread[(r["id"], r["policy"])] for r in larger] == larger
+
+
+def test_a_matched_random_record_is_finished_only_at_the_very_same_rate(tmp_path):
+    """Found by a mutation audit: `_finished` reused a matched Random record whose p was only close to ODA's rate
+    (rounded, or within a tolerance); the reports compare p exactly and then drop it."""
+    spec = runner.random_matched(0.0, 42)
+    example = suites.EvalExample(id="x/0", task="x", answers=["w5"], max_new_tokens=6, metric="string_match_all",
+                                 input_ids=list(range(10, 24)))
+    path = tmp_path / "results.jsonl"
+    runner.append_jsonl(path, {"id": example.id, "policy": spec.name, "kind": "random", "threshold": 0.0, "task": "x",
+                               "p": 1 / 3, "settings": {"random_draws": runner.RANDOM_DRAWS}})
+    results = runner.ResultsFile(path)
+    assert runner._finished(results, example, spec, 1 / 3)
+    assert not runner._finished(results, example, spec, 0.331)
+    assert not runner._finished(results, example, spec, 1 / 3 + 1e-12)
 
 
 def test_reports_leave_out_matched_random_records_drawn_at_an_outdated_rate(tmp_path):

@@ -781,8 +781,11 @@ class SharedPrefill:
         try:
             model.set_routing(policy="full")  # the prefill never routes; any policy would do
             ids = torch.tensor([self.input_ids], dtype=torch.long, device=model.device)
-            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                    generation_config=greedy_config(model, tokenizer, 1), **cache_kwargs(self._cache))
+            config = greedy_config(model, tokenizer, 1)
+            if config.min_new_tokens:   # EOS is barred from the one token either way; > 1 would warn of a conflict
+                config.min_new_tokens = 1
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                    **cache_kwargs(self._cache))
         finally:
             model.oda_config = saved
         self.first_token = int(output[0, -1])
