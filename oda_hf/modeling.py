@@ -605,10 +605,11 @@ class OdaForCausalLM(GenerationMixin, PushToHubMixin, nn.Module):
                     scores = self.recall_head(cache.selected_hidden, embeds[:, -1], local_hidden)
                 policy.observe_window(in_window)
                 select_full = policy.decide(scores, step, batch_size, embeds.device) & ~in_window.to(embeds.device)
-                finished = self.routing.finished_at >= 0
-                if self._pads_finished_rows and not self._beam_generation and bool(finished.any()):
+                if self._pads_finished_rows and not self._beam_generation:
                     # a stopped row's later tokens are padding, whatever they attend: no Full pass for them
-                    select_full = select_full & ~finished.to(embeds.device)
+                    finished = self.routing.finished_at >= 0
+                    if bool(finished.any()):
+                        select_full = select_full & ~finished.to(embeds.device)
         hidden = local_hidden
         run_full = bool(select_full.any())
         rows = None if local_hidden is None or not run_full else self._retry_rows(
