@@ -187,7 +187,7 @@ class SchedulePolicy(RoutingPolicy):
 
 
 @functools.lru_cache(maxsize=256)
-def _rate_ratio(rate: float) -> tuple[int, int]:
+def rate_fraction(rate: float) -> tuple[int, int]:
     # The fraction of denominator <= 1e12 nearest the rate's shortest decimal (0.29 is 29/100, 1/3 is 1/3), unless
     # that fraction, as a float, is above the rate: 0.2499999999999 would be 1/4, whose realised rate 0.25 exceeds
     # it, so such a rate keeps its decimal's own fraction (2499999999999/10**13).
@@ -198,10 +198,10 @@ def _rate_ratio(rate: float) -> tuple[int, int]:
 
 def within_budget(calls: int, decided: int, rate: float) -> bool:
     """Whether one more Full call at a row's `decided`-th decided step (this one counted) keeps ``calls + 1 <= rate *
-    decided``, in integers for the fraction the rate stands for (`_rate_ratio`). In floats 0.29 * 100 is
+    decided``, in integers for the fraction the rate stands for (`rate_fraction`). In floats 0.29 * 100 is
     28.999999999999996, a tolerance for that let a rate of 0.2499999999 reach 0.25, and 1/3's shortest decimal
     denied the call of every third step."""
-    numerator, denominator = _rate_ratio(float(rate))
+    numerator, denominator = rate_fraction(float(rate))
     return (calls + 1) * denominator <= numerator * decided
 
 

@@ -449,6 +449,9 @@ def test_net_gain_random_expectation_and_oracle():
     curve = stats.net_gain_curve(scores, gains, [0.0, 0.4, 1.0])
     assert curve.tolist() == pytest.approx([stats.net_gain(scores, gains, b) for b in (0.0, 0.4, 1.0)])
     assert stats.budget_count(0.29, 100) == 29 and stats.budget_count(0.4, 2048) == 819
+    # K = floor(b |S|) for the decimal typed: never one more call (a realised 0.25 for a budget of 0.2499999999)
+    assert stats.budget_count(0.2499999999, 4) == 0 and stats.budget_count(0.3333333333, 3) == 0
+    assert stats.budget_count(1 / 3, 3) == 1 and stats.budget_count(0.7000000000000001, 10) == 7
     for eps in (0.0, 0.1):
         counts = stats.sign_counts(gains, eps)
         assert sum(counts.values()) == 9 and counts["positive"] == int((gains > eps).sum())
