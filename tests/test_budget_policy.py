@@ -139,3 +139,10 @@ def test_one_budget_object_given_to_two_models_gives_each_request_its_own_counte
         first.decide(torch.ones(2), step, 2, "cpu")
     assert [second.decide(torch.ones(2), step, 2, "cpu").tolist() for step in range(1, 5)] == \
         [[False, False]] * 3 + [[True, True]]   # its own budget: the first call is earned at the 4th step
+
+
+def test_in_window_steps_earn_no_budget_for_the_steps_after_them():
+    """A request starting within sinks + window banks no budget there: Full first at the 4th decided step at 25%."""
+    decisions = replay(0.25, [True] * 30, in_window=[True] * 10 + [False] * 20)
+    # counting the 10 in-window steps as decided let steps 11, 12 and 13 all call Full (100% of the first three)
+    assert decisions == [False] * 10 + [False, False, False, True] * 5

@@ -165,3 +165,51 @@ def test_suite_sha256_covers_every_file_and_its_name(tmp_path):
     assert renamed != first
     suites.write_examples(examples(2, 2), folder / "z.jsonl")
     assert suites.suite_sha256(folder) not in (first, renamed)
+
+
+def entry(threshold, rate, score):
+    return {"threshold": threshold, "pooled_full_call_rate": rate, "macro_score": score}
+
+
+def test_target_rate_takes_the_highest_rate_within_it_whatever_the_scores():
+    """--target-rate picks the highest pooled rate <= R, not the best-scoring threshold under it."""
+    sweep = [entry(0.0, 0.45, 10.0), entry(0.5, 0.2, 50.0), entry(1.0, 0.9, 90.0)]
+    assert calibration.choose_for_rate(sweep, 0.5)["threshold"] == 0.0
+
+
+def test_within_full_ties_go_to_the_lower_threshold_and_the_fallbacks_to_the_lower_rate():
+    """--within-full: a tie of rates takes the lower threshold; with none close, a tie of scores the lower rate."""
+    sweep = [entry(0.3, 0.2, 79.0), entry(0.1, 0.2, 79.5), entry(0.0, 0.6, 80.0)]
+    assert calibration.choose_threshold(sweep, full_score=80.0, tolerance=1.0)["threshold"] == 0.1
+    sweep = [entry(0.0, 0.6, 70.0), entry(0.2, 0.3, 70.0)]
+    assert calibration.choose_threshold(sweep, full_score=90.0, tolerance=1.0)["threshold"] == 0.2
+
+
+def dev_record(example, threshold, full_calls, routed_steps, window_steps):
+    policy = runner.oda(threshold)
+    return {"id": example, "task": "t", "policy": policy.name, "group": policy.group, "kind": "oda",
+            "threshold": threshold, "seed": None, "score": 1.0, "full_calls": full_calls, "routed_steps": routed_steps,
+            "window_steps": window_steps, "window_full_calls": 0, "hit_cap": False, "metric": "string_match_all"}
+
+
+def test_sweep_entries_leave_in_window_steps_out_of_the_decided_steps():
+    """A sweep entry's decided steps (the pooled rate's denominator) are routed steps past sinks + window."""
+    records = [dev_record("a", 0.0, 3, 10, 4), dev_record("b", 0.0, 2, 12, 2)]
+    (got,) = calibration._sweep_entries(records, {})
+    assert (got["full_calls"], got["routed_steps"], got["decided_steps"]) == (5, 22, 16)  # 6 + 10 decided
+    assert got["pooled_full_call_rate"] == 5 / 16
+
+
+def test_refinement_bisects_below_the_chosen_threshold_and_keeps_its_last_run(tmp_path):
+    """Bisection runs between the chosen grid threshold and the next lower one; the last run counts in the choice."""
+    def fake_evaluate(model, tokenizer, examples, policies, path, **kw):
+        # rate(t) = 0.6 - 0.3 t over 1000 decided steps: 0.6, 0.3, 0 on the grid 0, 1, 2
+        return [dev_record("a", p.threshold, round(600 - 300 * p.threshold), 1000, 0) for p in policies]
+
+    with mock.patch.object(calibration, "evaluate", fake_evaluate):
+        result = calibration.calibrate(None, None, ["x"], tmp_path, target_rate=0.33, grid=[0.0, 1.0, 2.0],
+                                       refine_steps=4, progress=False)
+    refined = [s["threshold"] for s in result["sweep"] if s["stage"] == "refine"]
+    # grid choice 1.0 (rate 0.3); bracket [0, 1]: 0.5 (0.45), 0.75 (0.375), 0.875 (0.338), 0.9375 (0.319, last run)
+    assert refined == [0.5, 0.75, 0.875, 0.9375]
+    assert result["chosen"]["threshold"] == 0.9375 and result["chosen"]["pooled_full_call_rate"] == 0.319
