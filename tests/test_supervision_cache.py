@@ -171,6 +171,22 @@ def test_training_on_two_caches_equals_training_on_one_cache_of_their_rows(tmp_p
         sc.open_cache([first.path, tmp_path / "foreign"])
 
 
+def test_a_train_dataset_given_is_checked_and_recorded_as_the_cache(tmp_path):
+    """OdaCacheTrainer(train_dataset=...) trains on that cache's rows: checked against the model, recorded for resume."""
+    rows, model = packed_rows(), oda_model()
+    first = sc.cache_supervision(model, rows[:4], tmp_path / "first", tau_hist=0.05, progress=False)
+    second = sc.cache_supervision(model, rows[4:], tmp_path / "second", tau_hist=0.05, progress=False)
+    wider = sc.cache_supervision(model, rows[:4], tmp_path / "w4", window=W + 1, tau_hist=0.05, progress=False)
+    with pytest.raises(ValueError, match="window"):   # trained with exit 0 under the first cache's window
+        sc.OdaCacheTrainer(model=model, args=args(tmp_path / "a"), cache=first,
+                           train_dataset=sc.SupervisionCacheDataset(wider))
+    subset = torch.utils.data.Subset(sc.SupervisionCacheDataset(second), [0, 1])
+    trainer = sc.OdaCacheTrainer(model=model, args=args(tmp_path / "b"), cache=first, train_dataset=subset)
+    assert trainer.supervision_settings["cache_rows_sha256"] == [second.manifest["data_sha256"]]
+    with pytest.raises(ValueError, match="trains on supervision-cache rows.*PackedDataset"):
+        sc.OdaCacheTrainer(model=model, args=args(tmp_path / "c"), cache=first, train_dataset=PackedDataset(rows))
+
+
 def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     from oda_hf.training import cli as training_cli
 

@@ -477,11 +477,20 @@ class OdaCacheTrainer(OdaTrainer):
         window = model.oda_config.window if args.oda_window is None else args.oda_window
         self.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
         self._check_eval_caches(kwargs.get("eval_dataset"), model, sinks, window, args.oda_tau_hist)
-        kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache))
+        # A train_dataset given is what the head learns from: checked and recorded as the cache is (one of another
+        # window trained with exit 0 while the run and the saved head said the cache's window).
+        trained = _cache_of(kwargs.setdefault("train_dataset", SupervisionCacheDataset(self.cache)))
+        if trained is None:
+            raise ValueError(
+                f"OdaCacheTrainer trains on supervision-cache rows; got a train_dataset of type "
+                f"{type(kwargs['train_dataset']).__name__}. Pass SupervisionCacheDataset(cache) (or a torch Subset of "
+                "one), or leave train_dataset out to train on the whole cache; train on token rows with OdaTrainer.")
+        if trained is not self.cache:
+            trained.check_compatible(model, sinks=sinks, window=window, tau_hist=args.oda_tau_hist)
         kwargs.setdefault("data_collator", CachedSupervisionCollator())
         # Which rows the head learns from: resuming on other caches (other documents or --seq-len) is another run.
-        caches = getattr(self.cache, "caches", [self.cache])
-        kwargs.setdefault("supervision_settings", {"seq_len": self.cache.manifest.get("seq_len"),
+        caches = getattr(trained, "caches", [trained])
+        kwargs.setdefault("supervision_settings", {"seq_len": trained.manifest.get("seq_len"),
                                                    "cache_rows_sha256": [c.manifest["data_sha256"] for c in caches],
                                                    "cache_dtypes": [c.manifest["dtype"] for c in caches]})
         super().__init__(model=model, args=args, **kwargs)
@@ -500,6 +509,13 @@ class OdaCacheTrainer(OdaTrainer):
         for dataset in eval_sets(evaluation).values():
             if isinstance(dataset, SupervisionCacheDataset):
                 dataset.cache.check_compatible(model, sinks=sinks, window=window, tau_hist=tau_hist)
+
+
+def _cache_of(dataset) -> SupervisionCache | CombinedSupervisionCache | None:
+    """The cache whose rows `dataset` holds: a `SupervisionCacheDataset`'s, through torch ``Subset``s (None else)."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return dataset.cache if isinstance(dataset, SupervisionCacheDataset) else None
 
 
 # -- command line ------------------------------------------------------------------------------------
