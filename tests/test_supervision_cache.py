@@ -372,3 +372,68 @@ def test_the_same_weights_under_another_config_do_not_reuse_the_cache(tmp_path):
     longer = copy.deepcopy(model)   # dynamic RoPE reads max_position_embeddings as its original length
     longer.base_model.config.max_position_embeddings *= 2
     assert sc.base_config_fingerprint(longer) != sc.base_config_fingerprint(model)
+
+
+# -- regression tests for the training-path mutation audit's survivors -------------------------------------------
+def test_a_rerun_with_other_labels_positions_or_settings_does_not_reuse_the_cache(tmp_path):
+    """Labels, position ids, sinks, window, storage dtype and rows per shard are all part of a cache's identity."""
+    model, rows = oda_model(), packed_rows()
+    assert len(rows[0]["position_ids"]) == 23 and rows[0]["position_ids"][14] == 0     # two segments: 14 + 9
+    sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, rows_per_shard=3, progress=False)
+    masked = [dict(rows[0], labels=[-100] * 10 + rows[0]["labels"][10:])] + rows[1:]   # a prompt masked: same tokens
+    merged = [dict(rows[0], position_ids=list(range(23)))] + rows[1:]                 # one segment: same tokens
+    changes = [(masked, {}, "data_sha256"), (merged, {}, "data_sha256"),
+               (rows, dict(sinks=S + 1), f"sinks: cache {S}, this run {S + 1}"),
+               (rows, dict(window=W + 1), f"window: cache {W}, this run {W + 1}"),
+               (rows, dict(dtype="bfloat16"), "dtype: cache 'float32', this run 'bfloat16'"),
+               (rows, dict(rows_per_shard=4), "rows_per_shard: cache 3, this run 4")]
+    for changed, settings, fragment in changes:
+        with pytest.raises(ValueError, match=fragment):
+            sc.cache_supervision(model, changed, tmp_path, **{**dict(tau_hist=0.05, rows_per_shard=3), **settings},
+                                 progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert (manifest["sinks"], manifest["window"], manifest["dtype"], manifest["rows_per_shard"]) == \
+        (S, W, "float32", 3)                                                           # the cache is left as it was
+
+
+def test_a_bfloat16_cache_keeps_float32_gains(tmp_path):
+    """Storage dtype bfloat16 rounds H, E and L only: the gains (regression targets) are stored in float32."""
+    model, rows = oda_model(), packed_rows()[:2]
+    cache = sc.cache_supervision(model, rows, tmp_path, tau_hist=0.05, dtype="bfloat16", progress=False)
+    stored = safetensors.torch.load_file(tmp_path / cache.shards[0]["file"])
+    assert stored["gains"].dtype == torch.float32
+    assert all(stored[key].dtype == torch.bfloat16 for key in sc.INPUT_TENSORS)
+    collate = OdaDataCollator()
+    for i, row in enumerate(rows):
+        batch = collate([row])
+        want = paired_supervision(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                  batch.get("labels"), tau_hist=0.05).gains
+        assert want.dtype == torch.float32 and not torch.equal(want.bfloat16().float(), want)   # bf16 would round
+        assert torch.equal(cache.row(i)["gains"], want)
+
+
+def test_training_from_a_cache_of_other_sinks_is_refused(tmp_path):
+    """A cache's H and L were computed with its sinks: training with other sinks is refused."""
+    model = oda_model()
+    cache = sc.cache_supervision(model, packed_rows()[:2], tmp_path / "cache", tau_hist=0.05, progress=False)
+    with pytest.raises(ValueError, match=f"sinks: cache {S}, training {S + 1}"):
+        sc.OdaCacheTrainer(model=model, args=args(tmp_path / "a", oda_sinks=S + 1), cache=cache)
+
+
+def test_a_run_on_several_caches_records_each_caches_rows_and_resumes_on_those_only(tmp_path):
+    """Every cache's rows hash is recorded, so resuming a run on caches [A, B] with [A, C] is refused."""
+    model, rows = oda_model(), packed_rows()
+    a, b, c = (sc.cache_supervision(model, rows[i:i + 2], tmp_path / name, tau_hist=0.05, progress=False)
+               for i, name in ((0, "a"), (2, "b"), (4, "c")))
+    hashes = [cache.manifest["data_sha256"] for cache in (a, b, c)]
+    assert len(set(hashes)) == 3
+    settings = dict(max_steps=1, save_strategy="steps", save_steps=1, per_device_train_batch_size=1,
+                    gradient_accumulation_steps=1)
+    first = sc.OdaCacheTrainer(model=oda_model(), args=args(tmp_path / "run", **settings), cache=[a.path, b.path])
+    assert first.supervision_settings["cache_rows_sha256"] == hashes[:2]
+    first.train()
+    other = sc.OdaCacheTrainer(model=oda_model(), args=args(tmp_path / "run", **{**settings, "max_steps": 2}),
+                               cache=[a.path, c.path])
+    assert other.supervision_settings["cache_rows_sha256"] == [hashes[0], hashes[2]]
+    with pytest.raises(ValueError, match="cache_rows_sha256"):
+        other.train(resume_from_checkpoint=True)

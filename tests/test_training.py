@@ -633,3 +633,161 @@ def test_a_finished_run_resumed_with_load_best_model_at_end_gives_its_best_head(
     OdaTrainer(model=again, args=_trainer_args(tmp_path, **settings), train_dataset=data,
                eval_dataset=evaluation).train(resume_from_checkpoint=True)
     assert all(torch.equal(again.recall_head.state_dict()[k], v) for k, v in best.items())
+
+
+# -- regression tests for the training-path mutation audit's survivors -------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_head_inputs_equal_what_the_routed_step_feeds(family):
+    """E, L (and H) stored for column t are the head's inputs in the routed step on x_t after a Full prefill."""
+    base = tiny_model(family)
+    torch.manual_seed(1)
+    model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
+                           OdaConfig(sinks=S, window=W, policy="head"))
+    ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(5))
+    paired = paired_supervision(model, ids, tau_hist=float("-inf"))   # no Local H passed on: H is the Full state
+    assert paired.cols.tolist() == list(range(S + W, 12))
+    table = model.get_input_embeddings()(torch.arange(VOCAB)).detach()
+    for n, t in enumerate(paired.cols.tolist()):
+        seen = {}
+        hook = model.recall_head.register_forward_hook(
+            lambda module, args, out: seen.update(H=args[0][0].clone(), E=args[1][0].clone(), L=args[2][0].clone()))
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(input_ids=ids[:, :t], past_key_values=cache)          # Full prefill of x_0..x_{t-1}
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache)     # the routed step on x_t
+        hook.remove()
+        torch.testing.assert_close(paired.input_embeds[n], seen["E"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(paired.input_embeds[n], table[ids[0, t]], atol=0, rtol=0)   # x_t, not x_{t+1}
+        torch.testing.assert_close(paired.local_hidden[n], seen["L"], atol=2e-5, rtol=0)
+        torch.testing.assert_close(paired.prev_hidden[n], seen["H"], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", ["step", "micro"])
+def test_an_updates_loss_over_unequal_microbatches_is_the_documented_reduction(tmp_path, reduction):
+    """Summed over an update's microbatches, compute_loss is docs/method.md's step or micro reduction."""
+    from oda_hf.training.data import OdaDataCollator
+    from oda_hf.training.trainer import MODEL_INPUTS
+
+    rows = _rows([8, 16])                                                  # 2 and 10 eligible positions
+    trainer = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=rows,
+                         args=_trainer_args(tmp_path, gradient_accumulation_steps=2, oda_loss_reduction=reduction))
+    collate = OdaDataCollator()
+    samples, _ = trainer.get_batch_samples(iter([collate([row]) for row in rows]), 2, "cpu")
+    with torch.no_grad():
+        per_token = [trainer.model(**{k: b[k] for k in MODEL_INPUTS if k in b})["losses"].double() for b in samples]
+        got = sum(trainer.compute_loss(trainer.model, dict(b)).item() for b in samples)
+    assert [p.numel() for p in per_token] == [2, 10]
+    if reduction == "step":     # sum over the update / its eligible tokens
+        want = (per_token[0].sum() + per_token[1].sum()).item() / 12
+    else:                       # mean over microbatches of each one's eligible-token mean
+        want = (per_token[0].sum().item() / 2 + per_token[1].sum().item() / 10) / 2
+    assert got == pytest.approx(want, rel=1e-6)
+    assert abs(per_token[0].mean() - per_token[1].mean()) > 1e-3 * want   # unequal means: the weighting matters
+
+
+def test_gains_do_not_depend_on_the_vocabulary_chunk_size(monkeypatch):
+    """The gains are log pF - log pL of x_{t+1} whatever lm_chunk; every position of every chunk is written."""
+    from oda_hf.training import paired as paired_module
+
+    class NanEmpty:   # paired.py's torch, whose empty() is NaN-filled: an unwritten output is NaN, not leftover memory
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(size, **kwargs):
+            return torch.full(size, float("nan"), **kwargs)
+
+    model = oda_model("qwen3")
+    ids = tokens(48, seed=0)                                               # 42 eligible positions
+    monkeypatch.setattr(paired_module, "torch", NanEmpty())
+    reference = paired_supervision(model, ids, keep_streams=True)
+    cols, streams = reference.cols, reference.streams
+    assert cols.numel() == 42
+    with torch.no_grad():
+        logp = [model.get_output_embeddings()(h[0, cols]).double().log_softmax(-1)[torch.arange(42), ids[0, cols + 1]]
+                for h in (streams.full, streams.local)]
+    want = (logp[0] - logp[1]).float()
+    for chunk in (1, 5, 16, 64):
+        gains = paired_supervision(model, ids, lm_chunk=chunk).gains
+        assert not gains.isnan().any(), chunk
+        torch.testing.assert_close(gains, want, atol=2e-5, rtol=0, msg=f"lm_chunk={chunk}")
+
+
+def test_a_row_without_labels_in_a_labelled_batch_is_supervised_on_its_own_tokens():
+    """The collator labels a row that has no labels with its input_ids, even beside rows that have labels."""
+    from oda_hf.training.data import OdaDataCollator
+
+    masked = {"input_ids": list(range(1, 13)), "labels": [-100] * 6 + list(range(7, 13))}
+    plain = {"input_ids": list(range(20, 30))}
+    batch = OdaDataCollator()([masked, plain])
+    assert batch["labels"][0].tolist() == [-100] * 6 + list(range(7, 13))
+    assert batch["labels"][1].tolist() == list(range(20, 30)) + [-100] * 2   # its tokens, then padding
+    layout = build_layout(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["labels"],
+                          sinks=S, window=W)
+    assert layout.eligible[1].nonzero().flatten().tolist() == [5, 6, 7, 8]   # 1-based 6..9 of 10 tokens
+    assert layout.eligible[0].nonzero().flatten().tolist() == [6, 7, 8, 9, 10]   # from the first unmasked token
+
+
+def test_a_repeated_position_id_starts_a_new_segment():
+    """A segment starts wherever the position id does not increase, a repeat included (a 1-token segment at 0)."""
+    positions = torch.tensor([[0] + list(range(8))])                  # a 1-token segment, then an 8-token one
+    layout = build_layout(torch.ones(1, 9, dtype=torch.long), position_ids=positions, sinks=S, window=W)
+    assert layout.num_segments == 2 and layout.segment_start[0].nonzero().flatten().tolist() == [0, 1]
+    assert layout.index[0].tolist() == [1, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert layout.eligible[0].nonzero().flatten().tolist() == [6, 7]   # 1-based 6 and 7 of the second segment
+
+
+def test_a_document_of_exactly_the_minimum_length_is_packed():
+    """A piece of s + w + 2 tokens holds one eligible position and is packed, not dropped."""
+    n = S + W + 2
+    rows, stats = pack_documents([{"input_ids": list(range(1, n + 1))}, {"input_ids": list(range(1, n))}],
+                                 seq_len=16, min_length=n)
+    assert rows == [{"input_ids": list(range(1, n + 1)), "position_ids": list(range(n))}]
+    assert stats.dropped_pieces == 1 and stats.dropped_tokens == n - 1   # only the one-token-shorter document
+
+
+def test_data_checks_refuse_the_first_value_past_each_limit():
+    """Token id == vocab size, a piece of context + 1 tokens and a masked document of seq_len + 1 are refused."""
+    from oda_hf.training.data import check_positions, check_token_ids
+
+    check_token_ids([{"input_ids": [1, 2, VOCAB - 1]}], vocab_size=VOCAB)          # the last id fits
+    with pytest.raises(ValueError, match=f"input_ids {VOCAB}, outside the base model's vocabulary of {VOCAB}"):
+        check_token_ids([{"input_ids": [1, 2, VOCAB]}], vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=f"labels {VOCAB}, outside"):
+        check_token_ids([{"input_ids": [1, 2, 3], "labels": [-100, 2, VOCAB]}], vocab_size=VOCAB)
+    check_positions([{"input_ids": [1] * 512, "position_ids": list(range(512))}], context=512)   # exactly the context
+    with pytest.raises(ValueError, match="up to 513 tokens long, past the base model's context of 512"):
+        check_positions([{"input_ids": [1] * 513, "position_ids": list(range(513))}], context=512)
+    answer = list(range(1, 11))
+    rows, _ = pack_documents([{"input_ids": answer, "labels": [-100] * 7 + answer[7:]}], seq_len=10, min_length=4)
+    assert rows[0]["labels"] == [-100] * 7 + [8, 9, 10]                            # seq_len tokens: one piece
+    with pytest.raises(ValueError, match="longer than seq_len=10 .the longest: 11 tokens"):
+        pack_documents([{"input_ids": answer + [11], "labels": [-100] * 8 + [9, 10, 11]}], seq_len=10, min_length=4)
+
+
+def test_resuming_with_another_batch_shape_or_seed_is_refused(tmp_path):
+    """Gradient accumulation, batch size and seed are kept on resume (transformers skips global_step x GA batches)."""
+    data = _rows([14, 12, 13, 15])
+    settings = dict(max_steps=1, save_strategy="steps", save_steps=1, gradient_accumulation_steps=2)
+    args = _trainer_args(tmp_path, **settings)
+    OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data, args=args).train()
+    for key, saved, value in (("gradient_accumulation_steps", 2, 1), ("per_device_train_batch_size", 1, 2),
+                              ("seed", 42, 3)):                           # 42: TrainingArguments' default seed
+        resumed = OdaTrainer(model=oda_model("qwen3", head=True), train_dataset=data,
+                             args=_trainer_args(tmp_path, **{**settings, "max_steps": 2, key: value}))
+        with pytest.raises(ValueError, match=f"{key}: {saved} in the checkpoint, {value} now"):
+            resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 0
+
+
+def test_a_setting_recorded_now_but_absent_from_the_checkpoint_is_a_difference():
+    """Resume compares every recorded setting; only those in RECORDED_SINCE may be missing from an older checkpoint."""
+    from oda_hf.training.trainer import _differences
+
+    saved = {"sinks": S, "window": W, "tau_hist": 0.001}
+    now = {**saved, "seq_len": 16, "rows_sha256": "abc", "base_dtype": "float32", "head_width": 8}
+    assert _differences(saved, now) == ["rows_sha256: None in the checkpoint, 'abc' now",
+                                        "seq_len: None in the checkpoint, 16 now"]
+    assert _differences({**saved, "base_dtype": "bfloat16"}, now) == \
+        ["base_dtype: 'bfloat16' in the checkpoint, 'float32' now", "rows_sha256: None in the checkpoint, 'abc' now",
+         "seq_len: None in the checkpoint, 16 now"]
