@@ -84,3 +84,28 @@ def test_retry_and_window_benchmark_tiny_end_to_end(tmp_path):
     short = results["short_prompt"][0]
     assert short["window_steps"] == short["routed_steps"] == 5  # the whole request stays within s + w
     assert "ODA / stock static" in (tmp_path / "retry_and_window_tiny.md").read_text()
+
+
+def test_smollm2_summary_keeps_the_control_oda_evals_report_keeps(tmp_path):
+    """The SmolLM2 summary reads every version of a pair as `oda eval`'s report does: after a rerun over fewer prompts
+    redrew a matched Random record, the one drawn for all prompts comes back (dropped: Random 100 over 1 of 2)."""
+    spec = importlib.util.spec_from_file_location(
+        "summarize", os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "smollm2", "summarize.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def record(i, policy, kind, calls, score, p=None):
+        return {"id": f"a/{i}", "task": "a", "policy": policy, "group": policy.split("/")[0], "kind": kind,
+                "threshold": 0.0, "seed": 42 if p else None, "p": p, "score": score, "full_calls": calls,
+                "routed_steps": 10, "window_steps": 0, "window_full_calls": 0, "hit_cap": False,
+                "metric": "string_match_all", "answers": ["x"]}
+
+    random = "random~oda@0/seed42"
+    (tmp_path / "2048").mkdir()
+    lines = [record(0, "oda@0", "oda", 2, 1.0), record(1, "oda@0", "oda", 6, 1.0),   # ODA's rate over both: 8 / 20
+             record(0, random, "random", 4, 0.0, p=0.4), record(1, random, "random", 4, 1.0, p=0.4),
+             record(0, random, "random", 2, 1.0, p=0.2)]   # a rerun over a/0 alone redrew it at 2 / 10
+    (tmp_path / "2048" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = script.load(str(tmp_path))[2048]
+    assert sorted((r["id"], r["p"]) for r in records if r["kind"] == "random") == [("a/0", 0.4), ("a/1", 0.4)]
+    assert "| **macro** | 2048 | | **100.0** | **50.0** |" in script.table(script.load(str(tmp_path)))[0]

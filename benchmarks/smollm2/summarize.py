@@ -21,14 +21,20 @@ from oda_hf.evaluation.runner import ResultsFile, current_records
 def load(*folders: str) -> dict[int, list[dict]]:
     """Records per prompt length over `folders`; one record per (prompt, policy), the first folder's."""
     runs: dict[int, dict[tuple, dict]] = {}
+    versions: dict[int, dict[tuple, list[dict]]] = {}
     for folder in folders:
         for name in os.listdir(folder):
             path = os.path.join(folder, name, "results.jsonl")
             if name.isdigit() and os.path.exists(path):
-                # Within a file the last record of a pair wins (a matched Random record redone at a new rate).
-                for key, record in ResultsFile(path, repair=False).records.items():
-                    runs.setdefault(int(name), {}).setdefault(key, record)
-    return {length: current_records(runs[length].values()) for length in sorted(runs)}
+                # Within a file the last record of a pair wins (a matched Random record redone at a new rate); every
+                # version goes along, as `oda eval`'s report reads them (`ResultsFile.current`): a rerun over fewer
+                # prompts redraws the control at their rate, and the records drawn for all of them come back.
+                results = ResultsFile(path, repair=False)
+                for key, record in results.records.items():
+                    if key not in runs.setdefault(int(name), {}):
+                        runs[int(name)][key] = record
+                        versions.setdefault(int(name), {})[key] = results.versions[key]
+    return {length: current_records(runs[length].values(), versions[length]) for length in sorted(runs)}
 
 
 def table(runs: dict[int, list[dict]]) -> tuple[str, dict]:
