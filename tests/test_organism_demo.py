@@ -1,14 +1,16 @@
 """`oda demo` end to end on an organism-shaped model (random weights, the organism tokenizer and a random head)."""
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from oda_hf import RecallHead, RecallHeadConfig
+from oda_hf import OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.cli import main as oda_main
+from oda_hf.organism import demo
 from oda_hf.organism.demo import load_organism, run_demo
 from oda_hf.organism.tokenizer import save_tokenizer
 from oda_hf.organism.train_backbone import TrainConfig
@@ -131,3 +133,33 @@ def test_demo_smollm2_offline_is_a_clear_error_or_a_fallback(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "SmolLM2 is not available here" in out and "ODA demo: model organism" in out
     assert oda_main(["demo", "--model", "smollm2", "--head", str(tmp_path / "missing")]) == 2
+
+
+def test_demo_rates_means_and_methods_are_what_routing_and_the_metric_gave(organism_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    """`oda demo` runs Full, StreamingLLM, ODA under their own labels; its scores and rates are routing's counts."""
+    policies = []
+    original = OdaForCausalLM.set_routing
+
+    def spy(self, *args, **kwargs):
+        policies.append(kwargs.get("policy"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(OdaForCausalLM, "set_routing", spy)
+    scores = iter([0.0, 0.5, 1.0, 0.25, 0.75, 1.0])   # Full, Local, ODA per prompt
+    monkeypatch.setattr(demo, "example_score", lambda *a: next(scores))
+    prompts = (("niah_single_1", 256), ("vt", 512))
+    # a threshold low enough that the random head calls Full
+    result = demo.run_demo(str(organism_dir), str(tmp_path / "d"), prompts=prompts, threshold=-1e9)
+    out = capsys.readouterr().out
+    assert policies == ["full", "local", "head"] * 2                             
+    assert result["per_prompt"] == {"Full": [0.0, 25.0], "StreamingLLM": [50.0, 75.0], "ODA": [100.0, 100.0]}
+    assert result["scores"] == {"Full": 12.5, "StreamingLLM": 62.5, "ODA": 100.0}
+    lines = re.findall(r"Full calls (\d+)/(\d+) steps past the window, (\d+) routed", out)
+    assert len(lines) == 2
+    calls, past, routed = (sum(int(x[k]) for x in lines) for k in range(3))
+    assert past > 0 and calls > 0
+    # (organism prompts are longer than sinks + window: routed == past here)
+    assert result["full_call_rate"] == pytest.approx(calls / past)
+    assert result["paper_full_call_rate"] == pytest.approx(calls / routed)
+    assert f"ODA Full-call rate {calls / past:.1%} past the window ({calls / routed:.1%} over all" in out
