@@ -51,6 +51,9 @@ BAD_INPUTS = [
                                "{root}/nope.jsonl", "--out", "{root}/o5"], "--data {root}/nope.jsonl: no such file"),
     ("diagnose-selected-without-head", ["diagnose", "--base", "{root}/base", "--data", "{root}/text.jsonl",
                                         "--out", "{root}/o6"], "--history selected commits the head's choice"),
+    ("diagnose-threshold-unread", ["diagnose", "--base", "{root}/base", "--history", "full", "--threshold", "5",
+                                   "--data", "{root}/text.jsonl", "--out", "{root}/o7"],
+     "--threshold 5 picks the branch --history selected commits, but --history full always commits Full"),
     ("train-data-missing", ["train-head", "--base", "{root}/base", "--data", "{root}/nope.jsonl", "--output",
                             "{root}/t1"], "--data {root}/nope.jsonl: no such file or directory"),
     ("train-window-zero", ["train-head", "--base", "{root}/base", "--data", "{root}/text.jsonl", "--output",
@@ -177,3 +180,23 @@ def test_eval_policies_whose_names_collide_are_refused():
         build_policies(["oda"], [0.1, 0.1000001], [42])
     with pytest.raises(UsageError, match=r"'random@p0.25/seed42' \(p 0.25 and 0.2500001\)"):
         build_policies(["random:0.25", "random:0.2500001"], [0.0], [42])
+
+
+def test_a_refused_calibration_leaves_its_folder_open_to_the_corrected_command(files, capsys):
+    """A run refused before any record (--chat-template the tokenizer lacks) records no inputs that would refuse the
+    corrected command ("made with other inputs") for a folder holding nothing."""
+    dev = files / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"e{i}", "task": "t1", "prompt": " ".join(f"w{3 + (i + j) % 30}"
+                                                                                       for j in range(14)),
+                                       "answers": ["w5"], "max_new_tokens": 3, "metric": "string_match_all"}) + "\n"
+                           for i in range(2)))
+    out = files / "calibration"
+    argv = ["calibrate", "--base", f"{files}/base", "--head", f"{files}/head", "--sinks", "2", "--window", "8",
+            "--no-write", "--no-progress", "--data", str(dev), "--grid", "0", "--refine-steps", "0",
+            "--target-rate", "1", "--out", str(out)]
+    code, err = oda(argv + ["--chat-template"], capsys)
+    assert code == 2 and "has no chat template" in err and not (out / "calibration_inputs.json").exists()
+    code, err = oda(argv, capsys)
+    assert code == 0, err
+    assert json.loads((out / "calibration_inputs.json").read_text())["chat_template"] is False
+

@@ -521,6 +521,7 @@ def test_diagnostics_analysis_and_report(tmp_path):
     again = diagnostics.analyze(reloaded, n_resamples=40, seed=3, progress=False)
     head = result["subsets"]["all"]["methods"]["head"]
     assert head["auroc_ci"] == again["subsets"]["all"]["methods"]["head"]["auroc_ci"]  # seeded bootstrap
+    assert result["history"] == "full" and result["threshold"] is None   # always Full reads no threshold
     gains = np.concatenate([r.gains for r in records])
     scores = np.concatenate([r.head_scores for r in records])
     assert head["auroc"] == pytest.approx(stats.auroc(scores, gains > 0))

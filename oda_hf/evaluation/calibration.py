@@ -114,12 +114,19 @@ def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.Pat
     integer("refine_steps", refine_steps, minimum=0)
     if not dev_examples:
         raise ValueError("No dev prompt to calibrate on.")
-    _check_same_inputs(output_dir, provenance or {})
+    recorded = _check_same_inputs(output_dir, provenance or {})
     dev_path = os.path.join(output_dir, DEV_RECORDS)
     run = dict(chat_template=chat_template, progress=progress)
     stage = {t: "grid" for t in grid}
     policies = ([full()] if within_full is not None else []) + [oda(t) for t in grid]
-    records = evaluate(model, tokenizer, dev_examples, policies, dev_path, **run)
+    try:
+        records = evaluate(model, tokenizer, dev_examples, policies, dev_path, **run)
+    except BaseException:
+        # Refused before any record (a chat template the tokenizer lacks...): the inputs this run recorded would
+        # refuse the corrected command ("made with other inputs") for a folder that holds nothing.
+        if recorded is not None and not (os.path.exists(dev_path) and os.path.getsize(dev_path)):
+            os.remove(recorded)
+        raise
     result = {"split": "dev", "examples": len(dev_examples), "grid": grid, **(provenance or {})}
 
     if within_full is not None:
@@ -163,11 +170,13 @@ def calibrate(model, tokenizer, dev_examples: Sequence, output_dir: str | os.Pat
     return result
 
 
-def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> None:
-    """Records are reused by (example id, policy): refuse a folder whose records came from other data."""
+def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> str | None:
+    """Records are reused by (example id, policy): refuse a folder whose records came from other data. Records the
+    inputs; returns the inputs file's path when this call created it (None when it was there)."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, INPUTS_NAME)
-    if os.path.exists(path):
+    created = not os.path.exists(path)
+    if not created:
         try:
             with open(path, encoding="utf-8") as f:
                 before = json.load(f)
@@ -186,6 +195,7 @@ def _check_same_inputs(output_dir: str | os.PathLike, provenance: dict) -> None:
                              "differ): use a new output folder.")
         provenance = {**before, **provenance}
     write_json(path, provenance, indent=1)
+    return path if created else None
 
 
 #: The calibration inputs that determine the dev records, and the test records.

@@ -391,6 +391,9 @@ def _run_diagnose(args) -> int:
             raise UsageError(f"--data {args.data} is a folder; give the JSONL file of reference sequences.")
         if args.history == "selected" and not args.head:
             raise UsageError("--history selected commits the head's choice: give --head, or use --history full.")
+        if args.history == "full" and args.threshold is not None:   # (ignored, it was recorded as if applied)
+            raise UsageError(f"--threshold {args.threshold:g} picks the branch --history selected commits, but "
+                             "--history full always commits Full: drop --threshold, or use --history selected.")
         model, tokenizer = _load(args, threshold=args.threshold)
         with user_input("--data"):
             documents = diagnostics.load_reference_sequences(args.data, tokenizer)

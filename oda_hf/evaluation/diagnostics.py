@@ -212,8 +212,10 @@ def reference_gains(model, input_ids, *, start: int | None = None, count: int | 
                          else bool if name == "selected_full" else float)
         for name, values in rows.items()
     }
-    return ReferencePositions(doc_id=doc_id, history=history, meta={"sinks": config.sinks, "window": config.window,
-                                                                     "threshold": theta, "length": len(ids)}, **arrays)
+    # The threshold chose the committed branch only under the selected history (always Full reads no threshold).
+    meta = {"sinks": config.sinks, "window": config.window, "threshold": theta if history == "selected" else None,
+            "length": len(ids)}
+    return ReferencePositions(doc_id=doc_id, history=history, meta=meta, **arrays)
 
 
 # -- collection over documents -------------------------------------------------------------------------

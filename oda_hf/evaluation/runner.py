@@ -975,6 +975,9 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
             raise ValueError(f"example {example.id!r}: max_new_tokens must be a positive integer; got "
                              f"{example.max_new_tokens!r}.")
     check_chat_template(examples, chat_template)
+    if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+        # (before the manifest is written: it would refuse the corrected run, "chat_template: True there")
+        raise ValueError("chat_template=True, but the tokenizer has no chat template.")
     names = [spec.name for spec in policies]
     if len(set(names)) != len(names):
         raise ValueError(f"Policy names must be unique; got {names}.")
