@@ -247,11 +247,26 @@ def _write_report(report, records, out, primary, plots):
         raise UsageError(first_line(err)) from None
 
 
+#: `oda eval` flags that only a run that generates reads (--report-only and --merge would ignore them).
+REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "tasks", "limit", "max_new_tokens",
+                 "max_input_tokens", "chat_template", "thresholds", "paper_sweep", "seeds", "trajectories",
+                 "separate_prefills", "adopt_unlabeled_records")
+UNSET = {"chat_template": False, "paper_sweep": False, "trajectories": 0, "separate_prefills": False,
+         "adopt_unlabeled_records": False}   # (the others' default: None)
+
+
 def _run_eval(args) -> int:
     from . import report, runner, suites, trajectory
 
     out = args.out
     results_path = os.path.join(out, RESULTS_FILE)
+    if args.merge or args.report_only:   # flags only a run that generates reads would look applied to the report
+        given = [name for name in REPORT_UNREAD if getattr(args, name) != UNSET.get(name)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise UsageError(f"{flags}: {'--merge' if args.merge else '--report-only'} rebuilds the report from the "
+                             "records as they are and generates nothing; drop them (to report a subset, run into "
+                             "another --out).")
     if args.merge:
         sources = [os.path.join(folder, RESULTS_FILE) for folder in args.merge]
         require_paths("--merge", sources)

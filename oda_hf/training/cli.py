@@ -320,6 +320,9 @@ def _data_source(args):
             if getattr(args, key) is None:
                 setattr(args, key, value)
         return None
+    if args.tokenizer is not None:   # (ignored: the cache holds hidden states, not text)
+        raise UsageError(f"--tokenizer {args.tokenizer} tokenizes the text records of --data, but --from-cache trains "
+                         "on cached hidden states: drop --tokenizer (the cache was made with its own).")
     from .supervision_cache import open_cache
 
     try:
