@@ -151,6 +151,42 @@ def test_calibrate_cli_writes_the_threshold_into_the_head_folder(tmp_path):
         args.func(args)
 
 
+def test_calibrate_cli_passes_every_option_to_calibrate(tmp_path):
+    """Each calibrate option reaches the model, the prompts or `calibrate`; --no-write leaves the head folder as is."""
+    from tiny_models import save_word_tokenizer
+
+    model = oda_model()
+    base_dir = tmp_path / "base"
+    model.base_model.save_pretrained(base_dir)
+    save_word_tokenizer(base_dir, VOCAB)   # with a chat template
+    head_dir = head_folder(model, tmp_path / "head")
+    before = {p.name: p.read_bytes() for p in head_dir.iterdir()}
+    suites.write_examples(examples(3, 0), tmp_path / "dev.jsonl")    # tasks t0 t1 t0, output cap 12
+    suites.write_examples(examples(4, 1), tmp_path / "test.jsonl")   # tasks t0 t1 t0 t1
+    seen = {}
+
+    def spy(model, tokenizer, dev, out, **kwargs):
+        seen.update(kwargs, model=model, dev=dev)
+        return {"sweep": [], "chosen": {"threshold": 0.0, "pooled_full_call_rate": 0.0, "macro_score": 0.0}}
+
+    parser = argparse.ArgumentParser()
+    calibrate_cli.add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calibrate", "--base", str(base_dir), "--head", str(head_dir), "--data",
+                              str(tmp_path / "dev.jsonl"), "--test-data", str(tmp_path / "test.jsonl"),
+                              "--target-rate", "0.5", "--grid", "0.25", "0.5", "--refine-steps", "2", "--sinks", "1",
+                              "--window", "3", "--dtype", "bf16", "--tasks", "t0", "--max-new-tokens", "3",
+                              "--chat-template", "--no-write", "--out", str(tmp_path / "out"), "--no-progress"])
+    with mock.patch.object(calibration, "calibrate", spy):
+        assert args.func(args) == 0
+    config = seen["model"].oda_config
+    assert (config.sinks, config.window, seen["model"].dtype) == (1, 3, torch.bfloat16)
+    assert seen["grid"] == [0.25, 0.5] and seen["refine_steps"] == 2
+    assert seen["chat_template"] is True and seen["provenance"]["chat_template"] is True
+    for prompts in (seen["dev"], seen["test_examples"]):
+        assert len(prompts) == 2 and {e.task for e in prompts} == {"t0"} and {e.max_new_tokens for e in prompts} == {3}
+    assert {p.name: p.read_bytes() for p in head_dir.iterdir()} == before
+
+
 def test_suite_sha256_covers_every_file_and_its_name(tmp_path):
     folder = tmp_path / "suite"
     (folder / "a").mkdir(parents=True)

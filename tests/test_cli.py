@@ -80,3 +80,29 @@ def test_lazy_package_exports_resolve():
             assert getattr(package, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
         oda_hf.NotAName
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_generate_passes_its_options_to_the_model(saved_model, monkeypatch):
+    """--dtype, --seed, --temperature, --exact --max-draft and --fast all reach the model's generate call."""
+    import torch
+
+    from oda_hf import OdaForCausalLM
+
+    seen = {}
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs, dtype=self.dtype, seed=torch.initial_seed())
+        raise _Stop
+
+    monkeypatch.setattr(OdaForCausalLM, "generate", spy)
+    with pytest.raises(_Stop):
+        main(["generate", "--base", str(saved_model / "base"), "--sinks", "2", "--window", "4", "--dtype", "bf16",
+              "--prompt", "w5 w6 w7 w8 w9 w10", "--max-new-tokens", "7", "--temperature", "0.7", "--seed", "5",
+              "--exact", "--verify-threshold", "inf", "--max-draft", "4", "--fast"])
+    assert seen["dtype"] == torch.bfloat16 and seen["seed"] == 5
+    assert seen["do_sample"] is True and seen["temperature"] == 0.7
+    assert seen["oda_mode"] == "exact" and seen["max_draft"] == 4 and seen["oda_fast"] is True

@@ -1364,10 +1364,57 @@ def test_cli_eval_and_diagnose(tmp_path):
     _write_jsonl(refs, [{"id": f"r{i}", "input_ids": torch.randint(3, VOCAB, (14,)).tolist()} for i in range(2)])
     diag = tmp_path / "diag"
     args = parser.parse_args(["diagnose", *common, "--data", str(refs), "--positions", "5", "--bootstrap", "20",
-                              "--out", str(diag), "--no-progress"])
+                              "--seed", "7", "--out", str(diag), "--no-progress"])
     assert args.func(args) == 0
     for name in ("positions.jsonl", "diagnostics.md", "diagnostics.json", "budget_curve.png"):
         assert (diag / name).exists()
+    result = json.loads((diag / "diagnostics.json").read_text())
+    assert result["positions"] == 2 * 5 and result["seed"] == 7   # --positions per document, the bootstrap's --seed
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_cli_eval_passes_its_options_to_the_run(tmp_path, monkeypatch):
+    """--dtype, --chat-template, every --seeds value, --max-new-tokens of each suite and --max-input-tokens reach the
+    run; records without settings are adopted only with --adopt-unlabeled-records."""
+    from tiny_models import save_word_tokenizer
+
+    _, suite, parser = _cli_setup(tmp_path, 5, n_per_task=1)
+    save_word_tokenizer(tmp_path / "tok", VOCAB)   # with a chat template
+    _write_jsonl(tmp_path / "ruler" / "niah_single_1" / "validation.jsonl",
+                 [{"index": 0, "input": "w5 w6 w7", "outputs": ["w8"], "length": 3}])   # RULER's cap: 128
+    context = " ".join(f"w{i}" for i in range(4, 34))
+    _write_jsonl(tmp_path / "longbench" / "hotpotqa.jsonl", [{"input": "w40", "context": context, "answers": ["w9"],
+                                                              "all_classes": None, "dataset": "hotpotqa", "_id": "h1"}])
+    seen = []
+
+    def spy(model, tokenizer, examples, policies, path, **kwargs):
+        seen.append(dict(kwargs, dtype=model.dtype, examples=examples, policies={p.name for p in policies}))
+        raise _Stop
+
+    monkeypatch.setattr(runner, "evaluate", spy)
+    common = ["eval", "--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--no-progress"]
+    runs = [["--data", str(suite), "--tokenizer", str(tmp_path / "tok"), "--chat-template", "--dtype", "bf16",
+             "--policies", "oda", "random", "random:0.3", "--thresholds", "0", "--seeds", "1", "2",
+             "--max-new-tokens", "2"],
+            ["--suite", "ruler", "--data", str(tmp_path / "ruler"), "--policies", "full", "--max-new-tokens", "2"],
+            ["--suite", "longbench", "--data", str(tmp_path / "longbench"), "--policies", "full",
+             "--max-input-tokens", "10"]]
+    for i, run in enumerate(runs):
+        args = parser.parse_args(common + run + ["--out", str(tmp_path / f"out{i}")])
+        with pytest.raises(_Stop):
+            args.func(args)
+    jsonl, ruler, longbench = seen
+    assert jsonl["dtype"] == torch.bfloat16 and jsonl["chat_template"] is True and jsonl["adopt_unlabeled"] is False
+    assert {r.name for r in (runner.random_matched(0.0, 1), runner.random_matched(0.0, 2), runner.random_fixed(0.3, 1),
+                             runner.random_fixed(0.3, 2))} <= jsonl["policies"]
+    assert all(e.max_new_tokens == 2 for e in jsonl["examples"] + ruler["examples"]) and len(ruler["examples"]) == 1
+    assert ruler["dtype"] == torch.float32 and ruler["chat_template"] is False
+    (example,) = longbench["examples"]
+    truncated = suites.load_longbench(tmp_path / "longbench", tokenizer=word_tokenizer(), max_length=10)[0].prompt
+    assert example.prompt == truncated and "w20" not in truncated   # middle-truncated to 10 tokens
 
 
 def test_cli_eval_budget_policy_holds_per_request(tmp_path):

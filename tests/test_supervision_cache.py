@@ -201,18 +201,20 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     cache_cli.add_cli(subparsers)
     training_cli.add_cli(subparsers)
     cache_cmd = ["cache-supervision", "--base", str(base_dir), "--data", str(data), "--output", str(tmp_path / "c"),
-                 "--sinks", "2", "--window", "3", "--seq-len", "32", "--rows-per-shard", "1", "--dtype", "float32"]
+                 "--sinks", "2", "--window", "3", "--seq-len", "32", "--rows-per-shard", "1", "--dtype", "float32",
+                 "--tau-hist", "0.05"]
     run = parser.parse_args(cache_cmd)
     assert run.func(run) == 0
     cache = sc.SupervisionCache(tmp_path / "c")
-    assert len(cache) == 3 and cache.window == 3 and cache.tau_hist == 0.001
+    assert len(cache) == 3 and cache.window == 3 and cache.tau_hist == 0.05
+    assert len(cache.shards) == 3   # --rows-per-shard 1
 
     train = ["train-head", "--base", str(base_dir), "--from-cache", str(tmp_path / "c"), "--output",
              str(tmp_path / "head"), "--epochs", "2", "--warmup-steps", "0", "--head-width", "8", "--save-steps", "100"]
     run = parser.parse_args(train)
     assert run.func(run) == 0
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "head"))
-    assert model.oda_config.window == 3 and model.oda_config.sinks == 2 and model.recall_head.config.tau_hist == 0.001
+    assert model.oda_config.window == 3 and model.oda_config.sinks == 2 and model.recall_head.config.tau_hist == 0.05
     long_data = tmp_path / "long.jsonl"   # positions past the base's 512 once cached with exit 0
     long_data.write_text(json.dumps({"input_ids": torch.randint(1, VOCAB, (600,), generator=g).tolist()}) + "\n")
     with pytest.raises(UsageError, match="--seq-len: .* up to 600 tokens long, past the base model's context of 512"):
@@ -242,6 +244,12 @@ def test_cli_caches_then_trains_from_the_cache(tmp_path, capsys):
     with pytest.raises(UsageError, match="hold the same rows"):
         run = parser.parse_args(train[:5] + [str(tmp_path / "c"), "--output", str(tmp_path / "head3")] + train[7:])
         run.func(run)
+    # --dtype loads the base in that dtype: the cache records the hidden states of a bfloat16 base
+    run = parser.parse_args(_replace_flags(cache_cmd, {"--data": str(more), "--output": str(tmp_path / "c16"),
+                                                       "--dtype": "bf16"}))
+    assert run.func(run) == 0
+    assert sc.SupervisionCache(tmp_path / "c16").manifest["base_fingerprint"] == \
+        sc.base_fingerprint(tiny_model("qwen3"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("length,last", [(dict(max_steps=3), 3),

@@ -404,11 +404,13 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     common = ["train-head", "--base", str(base_dir), "--tokenizer", str(base_dir), "--data", str(data),
               "--output", str(tmp_path / "out"), "--sinks", "2", "--window", "3", "--seq-len", "32",
               "--save-steps", "1", "--warmup-steps", "0", "--head-width", "8", "--dtype", "float32",
-              "--loss-reduction", "step"]
+              "--loss-reduction", "step", "--seed", "7"]
     args = parser.parse_args(common + ["--max-steps", "2"])
     assert args.func(args) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint")) == \
         ["checkpoint-1", "checkpoint-2"]
+    # --seed reaches the training arguments (data order, the recorded seed)
+    assert json.loads((tmp_path / "out" / "checkpoint-2" / "training_args.json").read_text())["seed"] == 7
     threads = torch.get_num_threads()
     try:
         with pytest.raises(SystemExit):  # argparse: "argument --threads: must be an integer >= 1", exit 2
@@ -420,10 +422,14 @@ def test_train_head_cli_checkpoints_and_resumes(tmp_path):
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
     model = OdaForCausalLM.from_pretrained(str(base_dir), head=str(tmp_path / "out"))
     assert model.oda_config.window == 3 and model.recall_head.config.head_width == 8
-    # other training data: --data had recorded no trace of its rows, so a resume on other data was mixed into one
-    # head, and a fresh run over this folder's checkpoints was let through (a later --resume took their head)
     from oda_hf.cli_common import UsageError
 
+    # a fresh run with another learning rate into this run's folder would mix its checkpoints with this run's
+    args = parser.parse_args(common + ["--max-steps", "3", "--lr", "0.01"])
+    with pytest.raises(UsageError, match=r"learning_rate: 0\.0003 there, 0\.01 now"):
+        args.func(args)
+    # other training data: --data had recorded no trace of its rows, so a resume on other data was mixed into one
+    # head, and a fresh run over this folder's checkpoints was let through (a later --resume took their head)
     other = tmp_path / "other.jsonl"
     other.write_text(data.read_text().replace("w2 ", "w3 ").replace("w5", "w6"))
     common[common.index(str(data))] = str(other)
