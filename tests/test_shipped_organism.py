@@ -49,3 +49,16 @@ def test_shipped_demo_short_variant(tmp_path):
     result = run_demo(output=str(tmp_path), prompts=(("niah_single_2", 512),), verbose=False)
     assert set(result["scores"]) == {"Full", "StreamingLLM", "ODA"}
     assert (tmp_path / "trajectory.html").exists() and (tmp_path / "trajectory.png").exists()
+
+
+def test_head_card_quotes_the_shipped_calibration_sweep():
+    """The head card's dev sweep (theta: score at pooled Full-call rate) is calibration.json's, entry by entry."""
+    with open(os.path.join(ASSETS, "head", "calibration.json")) as f:
+        calibration = json.load(f)
+    with open(os.path.join(ASSETS, "head", "README.md")) as f:
+        card = " ".join(f.read().split())
+    assert len(calibration["sweep"]) >= 2
+    for entry in calibration["sweep"]:
+        percent = round(100 * entry["pooled_full_call_rate"])
+        assert f"{entry['threshold']:g}: {entry['macro_score']:.1f} at {percent}%" in card, entry
+    assert f"theta = {calibration['chosen']['threshold']:g}" in card
