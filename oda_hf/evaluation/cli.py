@@ -394,6 +394,11 @@ def _run_diagnose(args) -> int:
     out = args.out
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:
+        given = [name for name in ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
+                 if getattr(args, name) is not None]
+        if given:   # (read only when positions are collected: they would look applied to the report)
+            raise UsageError(f"{', '.join('--' + name for name in given)}: --report-only rebuilds the report from "
+                             f"{positions_path} as it is and runs no model; drop them.")
         if not os.path.exists(positions_path):
             raise UsageError(f"--report-only: {positions_path} does not exist; run without --report-only first.")
         with user_input(f"--report-only: {positions_path}"):
