@@ -247,12 +247,19 @@ def _write_report(report, records, out, primary, plots):
         raise UsageError(first_line(err)) from None
 
 
-#: `oda eval` flags that only a run that generates reads (--report-only and --merge would ignore them).
+#: Flags that only a run that generates (collects) reads: --report-only and --merge would ignore them, and the
+#: report would look made with them.
 REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "tasks", "limit", "max_new_tokens",
                  "max_input_tokens", "chat_template", "thresholds", "paper_sweep", "seeds", "trajectories",
                  "separate_prefills", "adopt_unlabeled_records")
+DIAGNOSE_REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
 UNSET = {"chat_template": False, "paper_sweep": False, "trajectories": 0, "separate_prefills": False,
          "adopt_unlabeled_records": False}   # (the others' default: None)
+
+
+def _given_flags(args, names) -> str:
+    """Those of `names` the command line set (a value other than the default), as ``--a, --b``; "" for none."""
+    return ", ".join("--" + name.replace("_", "-") for name in names if getattr(args, name) != UNSET.get(name))
 
 
 def _run_eval(args) -> int:
@@ -260,13 +267,10 @@ def _run_eval(args) -> int:
 
     out = args.out
     results_path = os.path.join(out, RESULTS_FILE)
-    if args.merge or args.report_only:   # flags only a run that generates reads would look applied to the report
-        given = [name for name in REPORT_UNREAD if getattr(args, name) != UNSET.get(name)]
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise UsageError(f"{flags}: {'--merge' if args.merge else '--report-only'} rebuilds the report from the "
-                             "records as they are and generates nothing; drop them (to report a subset, run into "
-                             "another --out).")
+    if (args.merge or args.report_only) and _given_flags(args, REPORT_UNREAD):
+        raise UsageError(f"{_given_flags(args, REPORT_UNREAD)}: {'--merge' if args.merge else '--report-only'} "
+                         "rebuilds the report from the records as they are and generates nothing; drop them (to "
+                         "report a subset, run into another --out).")
     if args.merge:
         sources = [os.path.join(folder, RESULTS_FILE) for folder in args.merge]
         require_paths("--merge", sources)
@@ -394,10 +398,8 @@ def _run_diagnose(args) -> int:
     out = args.out
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:
-        given = [name for name in ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
-                 if getattr(args, name) is not None]
-        if given:   # (read only when positions are collected: they would look applied to the report)
-            raise UsageError(f"{', '.join('--' + name for name in given)}: --report-only rebuilds the report from "
+        if _given_flags(args, DIAGNOSE_REPORT_UNREAD):
+            raise UsageError(f"{_given_flags(args, DIAGNOSE_REPORT_UNREAD)}: --report-only rebuilds the report from "
                              f"{positions_path} as it is and runs no model; drop them.")
         if not os.path.exists(positions_path):
             raise UsageError(f"--report-only: {positions_path} does not exist; run without --report-only first.")
