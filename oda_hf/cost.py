@@ -124,7 +124,8 @@ class LayerShape:
     """One decoder layer's per-token cost terms.
 
     `macs` is the layer's history-independent matrix work per token (multiply-adds): projections,
-    MLP and, for Gated DeltaNet, the depthwise conv and the recurrent state update. The attention
+    MLP and, for Gated DeltaNet, the depthwise conv and the recurrent state update (`state_macs` of them: work on
+    each row's own state, not on weights, so a batched pass does not read them as weights). The attention
     reads are described by `kind`, `query_heads`, `head_dim` and `span` and priced by
     `attention_flops`.
     """
@@ -137,6 +138,7 @@ class LayerShape:
     head_dim: int = 0
     span: int | None = None  # sliding window or attention chunk size
     kv_heads: int = 0  # K/V heads the layer reads (its source layer's on KV-shared layers); prices KV bytes
+    state_macs: int = 0  # of `macs`, the recurrent state update's (Gated DeltaNet)
 
     def positions_read(self, n: int, local_range: int | None = None) -> int:
         """Positions this layer attends to at history length `n` (current token included).
@@ -218,7 +220,8 @@ class ModelShape:
             if kind in _ATTENTION_KINDS:
                 layers.append(_attention_layer(index, cache_type, kind, config, layer_config, model_type, kv_shared))
             elif kind == "linear_attention":
-                layers.append(LayerShape(index, cache_type, kind, _gated_deltanet_macs(layer_config)))
+                macs, state_macs = _gated_deltanet_macs(layer_config)
+                layers.append(LayerShape(index, cache_type, kind, macs, state_macs=state_macs))
             elif kind == "none":
                 layers.append(LayerShape(index, cache_type, kind, 0))
             else:
@@ -259,6 +262,12 @@ class ModelShape:
     def backbone_flops(self) -> int:
         """``B``: history-independent backbone FLOPs of one pass for one token."""
         return 2 * (sum(layer.macs for layer in self.layers) + self.model_macs)
+
+    @property
+    def weight_macs(self) -> int:
+        """Multiply-adds on weights of one pass for one token: `backbone_flops` / 2 less the recurrent state updates
+        (each row's own state: a batched pass reads the weights once, not the rows' states)."""
+        return sum(layer.macs - layer.state_macs for layer in self.layers) + self.model_macs
 
     @property
     def output_flops(self) -> int:
@@ -355,7 +364,8 @@ def _attention_layer(index, cache_type, kind, config, layer_config, model_type, 
     return LayerShape(index, cache_type, kind, macs, hq, hd, span, hkv)
 
 
-def _gated_deltanet_macs(layer_config) -> int:
+def _gated_deltanet_macs(layer_config) -> tuple[int, int]:
+    """The layer's multiply-adds per token, and how many of them update the recurrent state."""
     d = layer_config.hidden_size
     nk, dk = layer_config.linear_num_key_heads, layer_config.linear_key_head_dim
     nv, dv = layer_config.linear_num_value_heads, layer_config.linear_value_head_dim
@@ -364,7 +374,7 @@ def _gated_deltanet_macs(layer_config) -> int:
     projections = d * conv_dim + d * value_dim + 2 * d * nv + value_dim * d
     conv = conv_dim * layer_config.linear_conv_kernel_dim
     state = 3 * nv * dk * dv  # q and k are repeated to the nv value heads before the update
-    return projections + conv + state
+    return projections + conv + state, state
 
 
 #: Model types whose MLP is two matrices (up, down) with no gate.
@@ -759,7 +769,7 @@ class BatchCostModel:
         if rows == 0:
             return _ZERO
         flops = rows * self.ledger.shape.backbone_flops
-        nbytes = self.ledger.shape.backbone_flops // 2 * self.weight_bytes
+        nbytes = self.ledger.shape.weight_macs * self.weight_bytes
         return BatchStepCost(flops, nbytes, self.hardware.seconds(flops, nbytes) + self.pass_overhead_s)
 
     def _head(self, rows: int) -> BatchStepCost:

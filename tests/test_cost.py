@@ -406,3 +406,91 @@ def test_a_chunked_layer_reads_its_chunk_so_far():
     layer = LayerShape(index=0, cache_type="chunked_attention", kind="chunked_attention", macs=0, query_heads=1,
                        head_dim=8, span=4, kv_heads=1)
     assert [layer.positions_read(n) for n in range(1, 10)] == [1, 2, 3, 4, 1, 2, 3, 4, 1]
+
+
+# --- bytes and batch-table numbers, written out by hand (mutation audit of oda_hf/cost.py) -----------------------
+
+
+def _hand_model(layers, macs=100, **bytes_kw):
+    """A BatchCostModel over hand-made layers: d 4, vocab 10, head 5 params (R = 10), s + w = 2 + 4 = 6."""
+    from oda_hf.cost import BatchCostModel, Hardware, LayerShape
+
+    shape = ModelShape("hand", 4, 10, tuple(LayerShape(i, kind, kind, macs if i == 0 else 0, *rest)
+                                            for i, (kind, *rest) in enumerate(layers)))
+    return BatchCostModel(CostLedger(shape, 5, sinks=2, window=4), Hardware("hw", 1e12, 1e12), **bytes_kw)
+
+
+def test_kv_and_output_bytes_use_their_own_dtype_sizes():
+    """KV bytes are priced at kv_bytes and weights/output at weight_bytes (an FP8 KV cache halves only the KV)."""
+    model = _hand_model([("full_attention", 4, 8, None, 2)], weight_bytes=2, kv_bytes=1)  # Hq 4, hd 8, Hkv 2
+    kv_per_position = 2 * 2 * 8 * 1  # K and V x Hkv x hd x 1 byte x 1 layer
+    assert model.kv_bytes_read(10, local=False) == 10 * kv_per_position == 320
+    weights, output = 100 * 2, 4 * 10 * 2  # 100 multiply-adds of weights; d x vocab, both at 2 bytes
+    assert model.full_step([10]).bytes == weights + 320 + output == 600
+
+
+def test_kv_bytes_of_sliding_chunked_and_linear_layers_are_their_own_reads():
+    """Sliding layers read min(n, window), chunked (n - 1) % chunk + 1, linear none, in both branches."""
+    model = _hand_model([("full_attention", 4, 8, None, 2), ("sliding_attention", 4, 8, 5, 2),
+                         ("chunked_attention", 4, 8, 4, 2), ("linear_attention",)])
+    per_position = 2 * 2 * 8 * 2  # K and V x Hkv 2 x hd 8 x 2 bytes, one layer
+    assert model.kv_bytes_read(50, local=False) == per_position * (50 + 5 + 2) == 3648  # chunk: 49 % 4 + 1 = 2
+    assert model.kv_bytes_read(50, local=True) == per_position * (6 + 5 + 2) == 832
+    assert model.kv_bytes_read(3, local=False) == per_position * (3 + 3 + 3) == 576
+
+
+def _model_for(config):
+    from oda_hf.cost import BatchCostModel
+
+    shape = ModelShape.from_config(config)
+    return BatchCostModel(CostLedger(shape, head_param_count(shape.hidden_size, 8), sinks=2, window=4))
+
+
+def test_gemma4_kv_shared_layers_read_their_source_kv_heads():
+    """Gemma4's KV-shared (dummy) layers read K/V of Hkv heads, not Hq: 4 layers x Hkv 2 x hd 8, window 5."""
+    model = _model_for(_config("gemma4"))
+    per_position = 2 * 2 * 8 * 2  # K and V x Hkv x hd x 2 bytes, one layer
+    assert model.kv_bytes_read(50, local=False) == per_position * (5 + 50 + 5 + 50) == 7040
+    assert model.kv_bytes_read(50, local=True) == per_position * (5 + 6 + 5 + 6) == 1408
+
+
+def test_batch_row_flops_ratio_is_full_over_oda():
+    """BatchRow.flops_ratio is Full FLOPs / ODA FLOPs: B 200, A(n) 128 n, l 6, R 10, O 80; rate 0 at n = 50."""
+    from oda_hf.cost import batch_table
+
+    model = _hand_model([("full_attention", 4, 8, None, 2)])
+    (row,) = batch_table(model, [1], [0.0], [50], ["whole"])
+    assert row.full.flops == 200 + 128 * 50 + 80 == 6680
+    assert row.oda.flops == 200 + 128 * 6 + 10 + 80 == 1058
+    assert row.flops_ratio == pytest.approx(6680 / 1058, rel=1e-12)
+
+
+def test_batch_table_columns_hold_full_and_oda_values():
+    """The markdown batch table prints Full GB from Full's bytes, ODA GB from ODA's, and Full/ODA FLOPs."""
+    from oda_hf.cost import batch_table, format_batch_table
+
+    model = _hand_model([("full_attention", 4, 8, None, 2)], macs=10**9)  # weights 2e9 bytes per pass
+    out = format_batch_table(batch_table(model, [1], [1.0], [50], ["whole"]))
+    cells = [c.strip() for c in out.splitlines()[2].strip("|").split("|")]
+    full_flops, oda_flops = 2 * 10**9 + 128 * 50 + 80, 2 * (2 * 10**9) + 128 * 6 + 10 + 80 + 128 * 50
+    assert cells[7:9] == ["2.00", "4.00"]  # Full reads the weights once, ODA (Local + Full pass) twice
+    assert cells[10] == f"{full_flops / oda_flops:.3f}" == "0.500"
+
+
+def test_cli_pass_overhead_is_microseconds_per_pass(capsys):
+    """--pass-overhead-us 1000 adds 1 ms per backbone pass: Full (one pass) and ODA at rate 1 whole (two passes)."""
+    def times(overhead):
+        out = _run(["--histories", "100", "--rate", "1", "--mode", "whole", "--pass-overhead-us", overhead], capsys)
+        cells = [c.strip() for c in out.strip().splitlines()[-1].strip("|").split("|")]
+        return float(cells[5]), float(cells[6])  # Full ms, ODA ms
+
+    (full0, oda0), (full1, oda1) = times("0"), times("1000")
+    assert full1 - full0 == pytest.approx(1.0, abs=2e-3)
+    assert oda1 - oda0 == pytest.approx(2.0, abs=2e-3)
+
+
+def test_rows_mode_expectation_for_a_batch_over_1000_rows():
+    """Rows mode over 1,200 rows (log-space binomial): E[recalling rows] = 1200 x 0.5 linear passes' FLOPs."""
+    model = _hand_model([("full_attention", 4, 8, None, 2)])  # B 200, A(n) 128 n, l 6, R 10, O 80
+    expected = 1200 * (200 + 128 * 6 + 10 + 80) + 0.5 * 1200 * 128 * 10 + 0.5 * 1200 * 200
+    assert model.oda_step_expected([10] * 1200, 0.5, "rows").flops == pytest.approx(expected, rel=1e-9)

@@ -77,6 +77,21 @@ def test_pattern_flops_follow_the_per_step_ledger():
     assert model.full_step(lengths).flops == sum(s.full for s in (ledger.step_costs(n) for n in lengths))
 
 
+def test_a_batched_pass_reads_weights_not_the_recurrent_state_updates():
+    """Gated DeltaNet's state update (3 nv dk dv multiply-adds a token) is on each row's state: not weight bytes."""
+    model = _tiny_model("qwen3_5")
+    config = _config("qwen3_5")
+    config = getattr(config, "get_text_config", lambda: config)()
+    kinds = config.layer_types
+    state = 3 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    linear_layers = kinds.count("linear_attention")
+    assert linear_layers >= 1 and state > 0
+    shape = model.ledger.shape
+    assert shape.weight_macs == shape.backbone_flops // 2 - linear_layers * state
+    assert model.full_step([10]).bytes == (shape.weight_macs * 2 + model.kv_bytes_read(10, local=False)
+                                           + shape.hidden_size * shape.vocab_size * 2)
+
+
 def test_pattern_bytes_count_weights_once_per_pass_and_kv_per_row():
     model = _tiny_model("llama")  # 2 layers, all global: Hkv 2, head_dim 8; s + w = 6
     shape, ledger = model.ledger.shape, model.ledger
