@@ -331,6 +331,10 @@ class RecallHead(PreTrainedModel):
         folder = resolve_head_folder(pretrained_model_name_or_path, kwargs)
         kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
         config = kwargs.pop("config", None) or RecallHeadConfig.from_pretrained(folder)
+        asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if asked not in (None, "auto", "float32", torch.float32):   # (said, not silent: the head stays FP32)
+            logger.warning(f"RecallHead loads in FP32 whatever dtype is asked ({asked}): its scores are compared with "
+                           f"a threshold calibrated in FP32. To run it in {asked} anyway, cast it: head.to({asked}).")
         cls._check_saved_weights(folder, config)
         model = super().from_pretrained(folder, *args, config=config, **kwargs)
         # Where it came from: OdaForCausalLM reads that folder's routing defaults (oda_config.json) for head=<name>,

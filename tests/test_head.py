@@ -91,16 +91,23 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert "oda_recall_head" not in card and "abc123" in card and f"{sum(p.numel() for p in head.parameters()):,}" in card
 
 
-def test_a_head_loaded_with_a_bf16_dtype_stays_fp32_and_bit_exact(tmp_path):
+def test_a_head_loaded_with_a_bf16_dtype_stays_fp32_and_bit_exact(tmp_path, caplog):
     """Found by a mutation audit: nothing failed when RecallHead.__init__ stopped forcing FP32, and a head loaded with
-    the base's `dtype=torch.bfloat16` then came back rounded to bfloat16."""
+    the base's `dtype=torch.bfloat16` then came back rounded to bfloat16. The dtype not applied is said."""
     torch.manual_seed(0)
     head = RecallHead(RecallHeadConfig(hidden_size=32, head_width=8))
     head.save_pretrained(tmp_path)
     for keyword in ("dtype", "torch_dtype"):
-        loaded = RecallHead.from_pretrained(tmp_path, **{keyword: torch.bfloat16})
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            loaded = RecallHead.from_pretrained(tmp_path, **{keyword: torch.bfloat16})
+        assert "RecallHead loads in FP32 whatever dtype is asked (torch.bfloat16)" in caplog.text, keyword
         assert all(p.dtype == torch.float32 for p in loaded.parameters()), keyword
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in head.state_dict().items()), keyword
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        RecallHead.from_pretrained(tmp_path, dtype=torch.float32)
+    assert "loads in FP32" not in caplog.text
 
 
 def test_wrapper_saves_head_and_routing_only_and_loads_back(tmp_path):
