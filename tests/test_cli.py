@@ -4,7 +4,7 @@ import pytest
 
 from oda_hf import RecallHead, RecallHeadConfig
 from oda_hf.cli import main, parse_policy
-from oda_hf.policies import RandomPolicy, SchedulePolicy
+from oda_hf.policies import RandomPolicy
 from tiny_models import save_with_word_tokenizer, tiny_model
 
 

@@ -19,7 +19,6 @@ from oda_hf.cost import (
     add_cli,
     batch_table,
     head_param_count,
-    run_cli,
 )
 from tiny_models import _config
 
@@ -252,7 +251,7 @@ def test_cli_continuous_batching_and_mode(capsys):
                capsys)
     model = BatchCostModel(CostLedger.qwen3_1_7b(), "a100-sxm-80gb")
     speedup = model.speedup([4096, 131_072], 0.125, "rows")
-    assert f"| 67,584 | 2 | 0.125 | rows |" in out and f"| {speedup:.3f} |" in out
+    assert "| 67,584 | 2 | 0.125 | rows |" in out and f"| {speedup:.3f} |" in out
     assert "| whole |" not in out and "NVIDIA A100" in out
 
 
