@@ -1364,12 +1364,13 @@ def test_cli_eval_and_diagnose(tmp_path):
     _write_jsonl(refs, [{"id": f"r{i}", "input_ids": torch.randint(3, VOCAB, (14,)).tolist()} for i in range(2)])
     diag = tmp_path / "diag"
     args = parser.parse_args(["diagnose", *common, "--data", str(refs), "--positions", "5", "--bootstrap", "20",
-                              "--seed", "7", "--out", str(diag), "--no-progress"])
+                              "--seed", "7", "--threshold", "0.25", "--out", str(diag), "--no-progress"])
     assert args.func(args) == 0
     for name in ("positions.jsonl", "diagnostics.md", "diagnostics.json", "budget_curve.png"):
         assert (diag / name).exists()
     result = json.loads((diag / "diagnostics.json").read_text())
     assert result["positions"] == 2 * 5 and result["seed"] == 7   # --positions per document, the bootstrap's --seed
+    assert result["history"] == "selected" and result["threshold"] == 0.25   # the branch committed at --threshold
 
 
 class _Stop(Exception):
