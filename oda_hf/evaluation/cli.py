@@ -253,13 +253,13 @@ REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "tasks"
                  "max_input_tokens", "chat_template", "thresholds", "paper_sweep", "seeds", "trajectories",
                  "separate_prefills", "adopt_unlabeled_records")
 DIAGNOSE_REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
-UNSET = {"chat_template": False, "paper_sweep": False, "trajectories": 0, "separate_prefills": False,
+UNSET_DEFAULTS = {"chat_template": False, "paper_sweep": False, "trajectories": 0, "separate_prefills": False,
          "adopt_unlabeled_records": False}   # (the others' default: None)
 
 
 def _given_flags(args, names) -> str:
     """Those of `names` the command line set (a value other than the default), as ``--a, --b``; "" for none."""
-    return ", ".join("--" + name.replace("_", "-") for name in names if getattr(args, name) != UNSET.get(name))
+    return ", ".join("--" + name.replace("_", "-") for name in names if getattr(args, name) != UNSET_DEFAULTS.get(name))
 
 
 def _run_eval(args) -> int:
@@ -267,8 +267,8 @@ def _run_eval(args) -> int:
 
     out = args.out
     results_path = os.path.join(out, RESULTS_FILE)
-    if (args.merge or args.report_only) and _given_flags(args, REPORT_UNREAD):
-        raise UsageError(f"{_given_flags(args, REPORT_UNREAD)}: {'--merge' if args.merge else '--report-only'} "
+    if (args.merge or args.report_only) and (unread := _given_flags(args, REPORT_UNREAD)):
+        raise UsageError(f"{unread}: {'--merge' if args.merge else '--report-only'} "
                          "rebuilds the report from the records as they are and generates nothing; drop them (to "
                          "report a subset, run into another --out).")
     if args.merge:
@@ -398,8 +398,8 @@ def _run_diagnose(args) -> int:
     out = args.out
     positions_path = os.path.join(out, POSITIONS_FILE)
     if args.report_only:
-        if _given_flags(args, DIAGNOSE_REPORT_UNREAD):
-            raise UsageError(f"{_given_flags(args, DIAGNOSE_REPORT_UNREAD)}: --report-only rebuilds the report from "
+        if unread := _given_flags(args, DIAGNOSE_REPORT_UNREAD):
+            raise UsageError(f"{unread}: --report-only rebuilds the report from "
                              f"{positions_path} as it is and runs no model; drop them.")
         if not os.path.exists(positions_path):
             raise UsageError(f"--report-only: {positions_path} does not exist; run without --report-only first.")

@@ -685,6 +685,12 @@ def check_chat_template(examples: Sequence[EvalExample], chat_template: bool) ->
                 "suite again.")
 
 
+def check_tokenizer_template(tokenizer, chat_template: bool) -> None:
+    """Refuse chat_template=True with a tokenizer that has no chat template (None: checked where text is encoded)."""
+    if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat_template=True, but the tokenizer has no chat template.")
+
+
 def check_prompt(model, example: EvalExample, input_ids: Sequence[int]) -> None:
     """Refuse a prompt the model cannot read: one whose tokens plus its output cap pass the model's
     ``max_position_embeddings`` (transformers only warns, then the positions past it are garbage; `oda generate` and
@@ -726,8 +732,7 @@ def encode_prompt(example: EvalExample, tokenizer, chat_template: bool = False) 
         raise ValueError(f"example {example.id!r} has a text prompt: the evaluation needs a tokenizer.")
     if not chat_template:
         return tokenizer(example.prompt + example.answer_prefix)["input_ids"]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("chat_template=True, but the tokenizer has no chat template.")
+    check_tokenizer_template(tokenizer, chat_template)
     text = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False)
     return tokenizer(text + example.answer_prefix, add_special_tokens=False)["input_ids"]
@@ -975,9 +980,7 @@ def evaluate(model, tokenizer, examples: Sequence[EvalExample], policies: Sequen
             raise ValueError(f"example {example.id!r}: max_new_tokens must be a positive integer; got "
                              f"{example.max_new_tokens!r}.")
     check_chat_template(examples, chat_template)
-    if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
-        # (before the manifest is written: it would refuse the corrected run, "chat_template: True there")
-        raise ValueError("chat_template=True, but the tokenizer has no chat template.")
+    check_tokenizer_template(tokenizer, chat_template)   # before the manifest is written: it would refuse the fix
     names = [spec.name for spec in policies]
     if len(set(names)) != len(names):
         raise ValueError(f"Policy names must be unique; got {names}.")
