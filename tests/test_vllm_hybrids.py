@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -26,11 +27,11 @@ from vllm_harness import (EAGER, PREEMPT_POLICIES, REPO, SINKS, SPAN, VLLM_PYTHO
 GEMMA_SLIDING = 8   # < sinks + window, so a sliding layer reads less than Local does
 
 
-def build_gemma3(folder, seed: int = 5):
+def build_gemma3(folder, seed: int = 5, layer_types: list | None = None):
     torch.manual_seed(seed)
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        head_dim=32, num_hidden_layers=4, layer_types=layer_types or ["sliding_attention", "full_attention"] * 2,
         sliding_window=GEMMA_SLIDING, query_pre_attn_scalar=32, max_position_embeddings=1024, pad_token_id=0,
         eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
     model = transformers.Gemma3ForCausalLM(config).eval()
@@ -117,6 +118,29 @@ def test_gemma3_prefix_caching_without_the_hybrid_kv_cache_manager_is_refused(ge
                  oda={"head": gemma3["head"], "sinks": SINKS, "window": WINDOW}, enable_prefix_caching=True,
                  disable_hybrid_kv_cache_manager=True)
     assert "needs vLLM's hybrid KV cache manager" in (tmp_path / "no_hma.log").read_text()
+
+
+def test_local_reads_each_kv_cache_group_through_its_own_block_table(tmp_path):
+    """Full-attention layers that outnumber the sliding ones 1.5x or more are split by vLLM's hybrid KV cache manager
+    into several groups of the same page shape (here 1 sliding + 3 full layers: four groups of one layer), each with
+    its own block table. Local's gather must be built per group: one built from the first full group's block table
+    and reused for the others reads other blocks (or another request's) in their layers."""
+    folder = str(tmp_path / "model")
+    model = build_gemma3(folder, layer_types=["sliding_attention"] + ["full_attention"] * 3)
+    head = os.path.join(folder, "head")
+    long = [prompt(n, seed=n + 17) for n in (SPAN + 1, 45, 150)]
+    batches = [[request(ids, policy="local") for ids in long],
+               [request(ids, policy="head", threshold=0.0) for ids in long]]
+    local, headed = run_vllm(tmp_path, "groups", folder, batches, oda={"head": head, "sinks": SINKS, "window": WINDOW},
+                             **EAGER)
+    groups = re.search(r"kv cache group sizes \(([^)]*)\)", (tmp_path / "groups.log").read_text())
+    assert groups and len(groups.group(1).split(",")) == 4, "vLLM did not split the layers into four KV-cache groups"
+    for ids, ours in zip(long, local["outputs"]):
+        assert ours["tokens"] == hf_generate(model, None, ids, 12, "local")[0], f"prompt of {len(ids)} tokens"
+    for ids, ours in zip(long, headed["outputs"]):
+        tokens, routing = hf_generate(model, head, ids, 12, "head", threshold=0.0)
+        assert ours["routing"]["decisions"] == routing.decisions[0].tolist()
+        assert ours["tokens"] == tokens
 
 
 # -- Qwen3.5: Gated DeltaNet linear attention beside full attention ---------------------------------------------
