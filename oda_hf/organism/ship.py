@@ -20,7 +20,7 @@ from ..model_card import render_template, write_head_model_card
 BACKBONE_FILES = ("config.json", "generation_config.json", "model.safetensors", "organism.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json")
 HEAD_FILES = ("config.json", "model.safetensors", "oda_config.json", "calibration.json")
-SHIPPED_BACKBONE_NAME = "oda_hf/organism/assets/backbone"
+SHIPPED_BACKBONE_NAME = "organism"  # the short name: resolves wherever the package is installed
 KIND_LABELS = (("full", "Full"), ("local", "StreamingLLM (always-Local)"), ("oda", "ODA (threshold {theta:g})"),
                ("random", "Random at ODA's per-task rate (seeds 42/43/44)"))
 
