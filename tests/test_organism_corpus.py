@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 
@@ -330,3 +331,17 @@ def test_resume_never_unpickles_a_planted_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="is not a readable safetensors checkpoint"):
         train(str(out), _tiny_cfg(), resume=True, progress=False)
     assert not marker.exists()
+
+
+def test_train_backbone_command_takes_the_seed_of_its_config_unless_given(tmp_path, monkeypatch):
+    """`--config` with a seed trains with that seed; `--seed` overrides it; neither gives 0."""
+    import oda_hf.organism.train_backbone as tb
+
+    seen = []
+    monkeypatch.setattr(tb, "train", lambda output, cfg, **kwargs: seen.append(cfg.seed))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"seed": 5}))
+    tb.main(["--output", str(tmp_path / "a"), "--config", str(config)])
+    tb.main(["--output", str(tmp_path / "b"), "--config", str(config), "--seed", "7"])
+    tb.main(["--output", str(tmp_path / "c")])
+    assert seen == [5, 7, 0]

@@ -574,7 +574,8 @@ def main(argv=None) -> None:
     parser.add_argument("--output", required=True, help="output folder (model, tokenizer, checkpoint)")
     parser.add_argument("--resume", action="store_true", help="continue from <output>/checkpoint.safetensors if present")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="corpus and initialisation seed (default: --config's, "
+                        "else 0)")
     parser.add_argument("--stop-at", type=int, default=None, help="pause at this step (resume later)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
     parser.add_argument("--save-every", type=int, default=None)
@@ -590,8 +591,7 @@ def main(argv=None) -> None:
             overrides = json.load(f)
     base = TrainConfig().to_dict()
     base.update(overrides)
-    base["seed"] = args.seed
-    for key in ("max_steps", "threads", "save_every", "eval_every"):
+    for key in ("seed", "max_steps", "threads", "save_every", "eval_every"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     cfg = TrainConfig.from_dict(base)
