@@ -6,7 +6,6 @@ runs the CUDA-graph bookkeeping (buckets, warm-up/capture transactions, replay) 
 Small buckets (8) make short requests cross bucket boundaries. GPU-only tests skip here.
 """
 
-import inspect
 import json
 import os
 import subprocess
@@ -245,6 +244,28 @@ def test_load_history_then_steps_match_hf_path():
     assert torch.allclose(engine.routing.scores, model.routing.scores, atol=1e-5)
 
 
+def test_load_history_with_left_padding_matches_prefill():
+    """`load_history(..., attention_mask=)` with left-padded rows continues like `prefill(ids, mask)`: padding
+    columns are neither attended nor counted (taking every loaded column as valid changed the logits by 0.47)."""
+    model = make_model("llama", policy=SchedulePolicy(1, 2), sinks=2, window=3)
+    ids, mask = left_padded_prompts(pads=(0, 5))  # prompts of 9 and 4 tokens
+    prefilled = OdaStaticEngine(model, max_length=30, batch_size=2, bucket_size=BUCKET)
+    loaded = OdaStaticEngine(model, max_length=30, batch_size=2, bucket_size=BUCKET)
+    tokens = prefilled.prefill(ids, mask, max_new_tokens=13).argmax(-1)
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        stock = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 output_hidden_states=True)
+    history = [(layer.keys, layer.values) for layer in getattr(stock, CACHE_ARG).layers]
+    loaded.load_history(history, stock.hidden_states[-1][:, -1], attention_mask=mask, max_steps=12)
+    for _ in range(12):
+        expected = prefilled.step(tokens)
+        torch.testing.assert_close(loaded.step(tokens), expected, atol=1e-4, rtol=1e-4)
+        tokens = expected.argmax(-1)
+    assert torch.equal(loaded.routing.decisions, prefilled.routing.decisions)
+    assert torch.equal(loaded.state.valid_count, prefilled.state.valid_count)
+
+
 # ------------------------------------------------------------------------------------------------
 # Buckets, graphs (emulated on CPU), state transactions, requests
 # ------------------------------------------------------------------------------------------------
@@ -339,6 +360,31 @@ def test_reset_between_requests_forgets_the_previous_one():
     assert_same(hf_generate(model, ids, mask, max_new_tokens=20), engine_generate(used, ids, mask, max_new_tokens=20))
     used.reset()
     assert used.length == 0 and int(used.state.cache_keys.abs().sum()) == 0
+
+
+def test_a_reused_engine_forgets_the_previous_requests_padding():
+    """Request 1 left-pads row 1 by 9 columns; request 2's prompt is 4 wide, so its decode tokens land in columns
+    that were padding before. Always Full: they must be attended (still marked padding, they changed row 1's tokens
+    from its third new one)."""
+    model = make_model(policy="full", sinks=2, window=3)
+    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
+    first, first_mask = left_padded_prompts(length=12, pads=(0, 9), seed=1)  # prompts of 12 and 3 tokens
+    engine_generate(engine, first, first_mask, max_new_tokens=6)
+    ids, mask = left_padded_prompts(length=4, pads=(0, 0), seed=2)
+    assert_same(hf_generate(model, ids, mask, max_new_tokens=12), engine_generate(engine, ids, mask, max_new_tokens=12))
+
+
+def test_a_row_stopped_by_eos_decodes_again_in_the_next_request():
+    """Request 1 stops row 0 at an EOS (finished rows take Local); request 2 on the same engine has no EOS, so
+    row 0 decodes (and recalls) again like the HF path's (kept as finished, it took Local on every step)."""
+    model = make_model(policy=SchedulePolicy(1, 2), sinks=2, window=3)
+    engine = OdaStaticEngine(model, max_length=40, batch_size=2, bucket_size=BUCKET)
+    ids, mask = left_padded_prompts(pads=(0, 0), seed=4)
+    free, _ = hf_generate(model, ids, mask, max_new_tokens=10)
+    eos = int(free.sequences[0, ids.shape[1] + 1])  # row 0's 2nd new token
+    stopped = engine_generate(engine, ids, mask, max_new_tokens=10, eos_token_id=eos)
+    assert stopped[1].finished_at.tolist() == [1, -1]  # row 1 ran on
+    assert_same(hf_generate(model, ids, mask, max_new_tokens=12), engine_generate(engine, ids, mask, max_new_tokens=12))
 
 
 def test_torch_cond_reaches_a_control_flow_dispatch_mode():
@@ -486,6 +532,18 @@ def test_unsupported_settings_raise_clearly():
                    dict(logits_processor=[lambda input_ids, scores: scores]), dict(streamer=object())):
         with pytest.raises(FastPathUnsupported, match="not supported by the fast path"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
+    # Each setting the engine would otherwise ignore (extra sequences, no cache, attentions or hidden states it does
+    # not return, stop strings or a cache it does not use, an argument generate() does not know) is refused by name.
+    for kwargs, name in ((dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+                         (dict(use_cache=False), "use_cache=False"),
+                         (dict(output_attentions=True), "output_attentions"),
+                         (dict(output_hidden_states=True), "output_hidden_states"),
+                         (dict(stop_strings=["w5"]), "stop_strings"), (dict(token_healing=True), "token_healing"),
+                         (dict(cache_implementation="static"), "cache_implementation='static'"),
+                         (dict(bogus_kwarg=1), "bogus_kwarg")):
+        with pytest.raises(FastPathUnsupported, match="not supported by the fast path") as refused:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
+        assert name in str(refused.value), (name, str(refused.value))
     with pytest.raises(ValueError, match="batch_size=2"):
         engine.generate(ids[:1], max_new_tokens=4, pad_token_id=0)
     right_padded = mask.flip(1)
@@ -545,8 +603,6 @@ def test_generate_fast_and_the_kill_switch(monkeypatch):
         OdaStaticEngine(model, max_length=16, batch_size=1)
 
 
-@pytest.mark.skipif("oda_fast" not in inspect.signature(OdaForCausalLM.generate).parameters,
-                    reason="model.generate(oda_fast=...) is not wired in oda_hf/modeling.py yet")
 def test_model_generate_oda_fast(monkeypatch):
     model = make_model(policy="head")
     ids, mask = left_padded_prompts()
@@ -559,6 +615,17 @@ def test_model_generate_oda_fast(monkeypatch):
     monkeypatch.delenv("ODA_DISABLE_FAST_PATH")
     with pytest.raises(FastPathUnsupported, match="beam"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, oda_fast=True)
+
+
+def test_model_generate_oda_fast_default_length():
+    """Without max_new_tokens or max_length, generate()'s default length (20) counts new tokens after the prompt on
+    both paths (counted from the start, the fast path would return 11 new tokens here)."""
+    model = make_model(policy="head")
+    ids, mask = left_padded_prompts()
+    reference = hf_generate(model, ids, mask)
+    fast = model.generate(input_ids=ids, attention_mask=mask, oda_fast=True, **GEN)
+    assert reference[0].sequences.shape == fast.sequences.shape == (2, ids.shape[1] + 20)
+    assert_same(reference, (fast, model.routing))
 
 
 def run_engine_benchmark(tmp_path, *arguments) -> list[dict]:

@@ -133,6 +133,7 @@ LOCAL_CASES = [
     ("window_one", [0, 1, 2, 30], 2, 1, 4, 4, 24),
     ("window_one_no_sinks", [0, 7], 0, 1, 2, 1, 16),
     ("multi_block", [0, 17, 31, 32, 33, 200], 3, 30, 8, 1, 24),
+    ("more_than_32_blocks", [700, 300], 4, 600, 2, 1, 8),  # 38 blocks of 16: the combine merges them 32 at a time
 ]
 LOCAL_IDS = [c[0] for c in LOCAL_CASES]
 
@@ -512,6 +513,8 @@ FULL_CASES = {  # columns, capacity, position, left pads per row, hq, hkv, d
     "several splits, MHA": (600, 640, 555, (0, 300), 2, 2, 8),
     "position at the last column": (64, 64, 63, (3,), 7, 1, 24),
     "position on a split boundary": (520, 520, 256, (0,), 4, 2, 16),
+    "current token alone in the last split": (257, 264, 256, (0, 100), 4, 2, 8),
+    "current token alone in the third split": (513, 513, 512, (0, 300), 2, 1, 8),
 }
 
 
