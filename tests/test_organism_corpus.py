@@ -233,6 +233,19 @@ def test_batches_are_a_function_of_the_step():
     assert {e.task for e in batch_examples(OrganismCorpus(heldout_size=2), cfg, 1)} <= {"qa_1", "qa_2"}
 
 
+def test_consecutive_batches_share_no_example():
+    """Each step draws fresh training examples: if step s + 1 reused examples of step s, the backbone would see the
+    same prompts over and over and the run would learn from fewer distinct examples than it reports."""
+    from oda_hf.organism.train_backbone import batch_examples
+
+    cfg = _tiny_cfg()
+    cfg.curriculum[1].tasks = ("niah_single_1",)  # one task: only the example index tells draws apart
+    corpus = OrganismCorpus(heldout_size=2)
+    batches = [[e.content_hash for e in batch_examples(corpus, cfg, step)] for step in (2, 3, 4)]
+    assert all(len(batch) == 2 for batch in batches)
+    assert len({h for batch in batches for h in batch}) == 6
+
+
 def test_batch_sequences_mix_copy_drills_and_local_views():
     from oda_hf.organism.train_backbone import batch_sequences
 
@@ -255,6 +268,9 @@ def test_local_view_mask_and_loss():
     m = local_view_attention_mask(batch, sinks=2, window=8)["full_attention"][:, 0]
     assert m[0, P - 1, : P].all() and m[1, P + 3, : P + 4].all()  # prefill rows and Full rows: causal
     assert m[0, P + 3].tolist() == [j < 2 or P - 5 < j <= P + 3 for j in range(m.shape[-1])]  # 2 sinks + 8 recent
+    # The first target token's row is Local too (it is decoded after the Full prefill, like every later one).
+    assert m[0, P].tolist() == [j < 2 or P - 8 < j <= P for j in range(m.shape[-1])]
+    assert m[1, P, : P + 1].all()  # ... in Local-view rows only
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(_tiny_cfg().model_config()).eval()
@@ -345,3 +361,37 @@ def test_train_backbone_command_takes_the_seed_of_its_config_unless_given(tmp_pa
     tb.main(["--output", str(tmp_path / "b"), "--config", str(config), "--seed", "7"])
     tb.main(["--output", str(tmp_path / "c")])
     assert seen == [5, 7, 0]
+
+
+def test_head_data_is_training_split_only_at_every_head_length(tmp_path, monkeypatch):
+    """The recall head is trained on training-split prompts of 256-1024 tokens: a held-out dev or test prompt in its
+    data would inflate the organism's scores, and a missing length would leave the head untrained where it routes."""
+    import hashlib
+
+    import oda_hf.organism.train_head as th
+    from oda_hf.organism.corpus import BOS_ID, EOS_ID, VOCAB, example_hash
+
+    corpora = []
+
+    def small_corpus(seed, window):  # held-out splits of 8 (not 100) per task and length: fast, same rule
+        corpora.append(OrganismCorpus(seed=seed, window=window, heldout_size=8))
+        return corpora[-1]
+
+    monkeypatch.setattr(th, "OrganismCorpus", small_corpus)
+    sha = th.write_head_data(str(tmp_path / "train.jsonl"), seed=0, per_task_and_length=1)
+    text = (tmp_path / "train.jsonl").read_text()
+    assert sha == hashlib.sha256(text.encode()).hexdigest()
+    (corpus,) = corpora
+    held_out = {h for split in ("test", "dev") for task in TASKS for length in (256, 512, 768, 1024)
+                for h in corpus.split_hashes(split, task, length)}
+    assert len(held_out) == 2 * len(TASKS) * 4 * 8
+    lengths = Counter()
+    for line in text.splitlines():
+        row = json.loads(line)
+        prompt_ids = [i for i, label in zip(row["input_ids"], row["labels"]) if label == -100]
+        target_ids = [i for i, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        assert prompt_ids[0] == BOS_ID and target_ids[-1] == EOS_ID
+        prompt, target = (" ".join(VOCAB[i] for i in ids) for ids in (prompt_ids[1:], target_ids[:-1]))
+        assert example_hash(prompt, target) not in held_out
+        lengths[len(prompt_ids)] += 1
+    assert lengths == {length: len(TASKS) for length in (256, 512, 768, 1024)}  # every task fits every length

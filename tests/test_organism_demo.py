@@ -1,6 +1,7 @@
 """`oda demo` end to end on an organism-shaped model (random weights, the organism tokenizer and a random head)."""
 
 import json
+import os
 import re
 import shutil
 
@@ -163,3 +164,69 @@ def test_demo_rates_means_and_methods_are_what_routing_and_the_metric_gave(organ
     assert result["full_call_rate"] == pytest.approx(calls / past)
     assert result["paper_full_call_rate"] == pytest.approx(calls / routed)
     assert f"ODA Full-call rate {calls / past:.1%} past the window ({calls / routed:.1%} over all" in out
+
+
+def test_shipped_demo_answers_a_held_out_test_prompt_in_full(tmp_path, capsys):
+    """The shipped organism's demo asks the held-out test prompt (not a dev one, which chose the threshold) and lets
+    each method finish its answer: a cap below the reference's length would cut Full's and ODA's answers short."""
+    from oda_hf.organism.corpus import OrganismCorpus
+
+    result = run_demo(output=str(tmp_path), prompts=(("niah_single_2", 512),))
+    out = capsys.readouterr().out
+    test = OrganismCorpus(seed=0).example("niah_single_2", 512, "test", 0)
+    assert f"[niah_single_2, 512 prompt tokens] reference: {' | '.join(test.answers)}\n" in out
+    assert result["per_prompt"] == {"Full": [100.0], "StreamingLLM": [0.0], "ODA": [100.0]}
+
+
+def test_demo_draws_its_prompts_with_the_organisms_corpus_seed(organism_dir, tmp_path, capsys):
+    """An organism trained with `--seed 7` is shown the test prompts of the seed-7 corpus (organism.json's seed), not
+    those of seed 0, which it may have trained on."""
+    from oda_hf.organism.corpus import OrganismCorpus
+
+    organism = tmp_path / "organism"
+    shutil.copytree(organism_dir, organism)
+    (organism / "backbone" / "organism.json").write_text(json.dumps({"seed": 7}))
+    run_demo(str(organism), str(tmp_path / "demo"), prompts=(("niah_single_2", 512),))
+    out = capsys.readouterr().out
+    seven, zero = (OrganismCorpus(seed=seed).example("niah_single_2", 512, "test", 0) for seed in (7, 0))
+    assert seven.answers != zero.answers
+    assert f"reference: {' | '.join(seven.answers)}\n" in out
+
+
+def test_organism_evaluation_scores_the_held_out_test_split(organism_dir, tmp_path):
+    """`organism.evaluate` reports test scores: scoring the dev prompts the threshold was chosen on flatters ODA."""
+    from oda_hf.organism.evaluate import evaluate_organism
+
+    evaluate_organism(str(organism_dir), str(tmp_path), n=2, lengths=(256,), tasks=("niah_single_1",))
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records} == {"niah_single_1/256/test/0", "niah_single_1/256/test/1"}
+
+
+def test_organism_evaluation_routes_at_the_heads_saved_threshold(organism_dir, tmp_path):
+    """Without --threshold, the evaluation runs ODA at the threshold calibrate saved with the head, not at 0."""
+    from oda_hf.organism.evaluate import evaluate_organism
+
+    organism = tmp_path / "organism"
+    shutil.copytree(organism_dir, organism)
+    (organism / "head" / "oda_config.json").write_text(
+        json.dumps({"sinks": 4, "window": 64, "threshold": 3.0, "policy": "head"}))
+    summary = evaluate_organism(str(organism), str(tmp_path / "eval"), n=1, lengths=(256,), tasks=("niah_single_1",))
+    assert summary["threshold"] == 3.0 and "oda@3" in summary and "oda@0" not in summary
+    saved = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert saved["threshold"] == 3.0 and "random~oda@3" in saved
+
+
+def test_backbone_card_names_the_test_fingerprint(organism_dir, tmp_path):
+    """The backbone card's "held-out test fingerprint" is organism.json's test_sha256: the dev fingerprint there
+    would send a user checking the test data to the wrong split."""
+    from oda_hf.organism.ship import ship
+
+    test_sha, dev_sha = "7e57" * 16, "de70" * 16
+    organism = tmp_path / "organism"
+    shutil.copytree(organism_dir, organism)
+    (organism / "backbone" / "organism.json").write_text(
+        json.dumps({"seed": 0, "test_sha256": test_sha, "dev_sha256": dev_sha}))
+    evaluation = os.path.join(demo.shipped_organism_dir(), "evaluation")  # the shipped summary.json
+    ship(str(organism / "backbone"), str(organism / "head"), evaluation, str(tmp_path / "assets"))
+    card = (tmp_path / "assets" / "backbone" / "README.md").read_text()
+    assert f"held-out test fingerprint `{test_sha}`" in card and dev_sha not in card

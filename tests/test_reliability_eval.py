@@ -103,6 +103,7 @@ def root(tmp_path_factory):
     write_jsonl(root / "refs_float.jsonl", [{"id": "r0", "input_ids": [3.5] * 20}])
     write_jsonl(root / "refs_text.jsonl", [{"id": "r0", "text": 5}])
     write_jsonl(root / "refs_long.jsonl", [{"id": "r0", "input_ids": [3 + i % 90 for i in range(600)]}])
+    write_jsonl(root / "refs_513.jsonl", [{"id": "r0", "input_ids": [3 + i % 90 for i in range(513)]}])  # limit + 1
     write_jsonl(root / "refs_start.jsonl", [{"id": "r0", "input_ids": ids, "start": 0}])
     write_jsonl(root / "refs_short.jsonl", [{"id": "r0", "input_ids": ids[:6]}])
     (root / "refs_empty.jsonl").write_text("\n")
@@ -243,6 +244,8 @@ BAD = [
     ("diagnose-start-0", DIAG + ["--data", "{root}/refs_start.jsonl"], "'start' must be an integer >= 1; got 0"),
     ("diagnose-too-long", DIAG + ["--data", "{root}/refs_long.jsonl"],
      "reference 'r0' has 600 tokens, more than the model's max_position_embeddings=512"),
+    ("diagnose-too-long-by-one", DIAG + ["--data", "{root}/refs_513.jsonl"],
+     "reference 'r0' has 513 tokens, more than the model's max_position_embeddings=512; shorten it to at most 512"),
     ("diagnose-too-short", DIAG + ["--data", "{root}/refs_short.jsonl"], "No eligible reference position"),
     ("diagnose-out-is-a-file", DIAG + REFS + ["--out", "{root}/afile"], "--out {root}/afile is a file"),
     ("diagnose-report-only-damaged", ["diagnose", "--out", "{root}/positions_bad", "--report-only", "--no-plots"],
