@@ -574,7 +574,7 @@ MIDDLEWARE_PROBE = """
 import asyncio, json
 from types import SimpleNamespace
 from oda_hf.vllm import server
-from oda_hf.vllm.requests import RequestRouting, RequestState
+from oda_hf.vllm.requests import RequestRouting, RequestState, note_returned
 
 def record(steps):
     state = RequestState(RequestRouting("full"))
@@ -601,18 +601,24 @@ one = served({"prompt": "x"}, {"id": "cmpl-s", "choices": [{}], "usage": {"compl
              {"cmpl-s-0-1a2b3c4d": record(7)})
 two = served({"prompt": ["x", "y"]}, {"id": "cmpl-s", "choices": [{}, {}], "usage": {"completion_tokens": 5}},
              {"cmpl-s-0-1a2b3c4d": record(7)})
-print(json.dumps([one["routed_steps"], two["routed_steps"]]))
+# a reused caller id: the front end counted the first request (6 tokens) but not yet the second (10 tokens, 9 steps)
+note_returned("cmpl-job-0", 6)
+again = served({"prompt": "x"}, {"id": "cmpl-job", "choices": [{}], "usage": {"completion_tokens": 10}},
+               {"cmpl-job-0-1a2b3c4d": record(5), "cmpl-job-0-5e6f7a8b": record(9)})
+print(json.dumps([one["routed_steps"], two["routed_steps"], again["routed_steps"]]))
 """
 
 
 def test_the_middleware_trims_a_record_the_front_end_has_not_counted():
     """When vLLM's front end has not counted a response's tokens within the middleware's wait, the middleware trims the
     one record of a one-choice response to its returned tokens itself (7 steps run, 5 tokens returned: 4 steps), and
-    leaves a record it cannot attribute untrimmed (two choices: 7). No engine runs: a fake app and vLLM's starlette."""
+    leaves a record it cannot attribute untrimmed (two choices: 7). A caller id used by two requests: the front end's
+    count may be the earlier one's alone, so the newer record is cut by `usage` only (it was cut to the earlier
+    request's 6 tokens: 5 steps for 9). No engine runs: a fake app and vLLM's starlette."""
     proc = subprocess.run([VLLM_PYTHON, "-c", MIDDLEWARE_PROBE], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7, 9]
 
 
 ENGINE_SIDE_PROBE = """

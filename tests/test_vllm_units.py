@@ -1283,6 +1283,45 @@ def test_the_server_reads_the_records_of_every_data_parallel_engine(monkeypatch)
     assert list(asyncio.run(_stats(app))["requests"]) == ["cmpl-a-0-1a2b3c4d"]
 
 
+def test_records_of_several_engines_are_merged_in_finish_order(monkeypatch):
+    """A caller reused its X-Request-Id: its first request (Full) ran on engine 1, its second (Local) later on engine 0.
+    Listed engine by engine, the first request's record came last and was taken as the newest: the second response
+    carried the first request's routing (policy full), with HTTP 200 (an audit's live server). Merged records are
+    ordered as one worker orders its own: finished ones by when they finished, then running ones."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import oda_hf.vllm.requests as requests_module
+    from oda_hf.vllm.requests import FinishedRecords, packed
+    from oda_hf.vllm.runner import OdaRunnerMixin
+    from oda_hf.vllm.server import _newest_per_caller, _stats
+
+    clock = iter([100.0, 200.0, 300.0])
+    monkeypatch.setattr(requests_module, "time", SimpleNamespace(time=lambda: next(clock)))
+    engines = [object.__new__(OdaRunnerMixin) for _ in range(2)]
+    for runner in engines:
+        runner.oda_states, runner.oda_finished = {}, FinishedRecords()
+    for engine, rid, policy in ((1, "chatcmpl-job-1a2b3c4d", "full"), (0, "chatcmpl-job-5e6f7a8b", "local"),
+                                (1, "chatcmpl-other-0c0c0c0c", "full")):
+        state = RequestState(RequestRouting(policy))
+        state.record(policy == "full")
+        engines[engine].oda_finished.add(rid, packed(state.summary()))
+    engines[1].oda_states["chatcmpl-job-9f9f9f9f"] = RequestState(RequestRouting("local"))   # still running
+
+    async def call_utility_all_async(method, name, timeout, args, kwargs):
+        return [[engine.oda_routing_stats(**(kwargs or {}))] for engine in engines]
+
+    core = SimpleNamespace(core_engines=[b"\x00\x00", b"\x01\x00"], call_utility_all_async=call_utility_all_async)
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(engine_core=core)))
+    stats = asyncio.run(_stats(app))
+    assert list(stats["requests"]) == ["chatcmpl-job-1a2b3c4d", "chatcmpl-job-5e6f7a8b", "chatcmpl-other-0c0c0c0c",
+                                       "chatcmpl-job-9f9f9f9f"]
+    assert "finish_times" not in stats
+    del engines[1].oda_states["chatcmpl-job-9f9f9f9f"]
+    newest = _newest_per_caller(asyncio.run(_stats(app, caller_ids=["chatcmpl-job"]))["requests"])
+    assert [record["policy"] for record in newest.values()] == ["local"]
+
+
 # -- boundaries a mutation audit of the plugin's pure-Python parts found unpinned ------------------------------------
 def test_knob_and_draw_boundaries():
     from oda_hf.policies import HeadPolicy, RandomPolicy, within_budget

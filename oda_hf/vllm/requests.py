@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -397,7 +398,9 @@ class FinishedRecords:
         self.records: OrderedDict[str, dict] = OrderedDict()
         self.evicted = dict.fromkeys(COUNTS, 0)
         self._by_name: dict[str, list[str]] = {}   # lists, not sets: a third of the memory, and few ids a name
-        self._added: dict[str, int] = {}   # engine id -> when it finished (lookups return records in that order)
+        # engine id -> (its rank in finish order, the wall-clock time it finished): lookups return records in that
+        # order; the time orders the records of several engines (data parallelism) as one
+        self._added: dict[str, tuple[int, float]] = {}
         self._count = 0
 
     def __len__(self) -> int:
@@ -407,7 +410,7 @@ class FinishedRecords:
         self.records[engine_id] = record
         self.records.move_to_end(engine_id)
         self._count += 1
-        self._added[engine_id] = self._count
+        self._added[engine_id] = (self._count, time.time())
         for name in lookup_names(external_request_id(engine_id)):
             ids = self._by_name.setdefault(name, [])
             if engine_id not in ids:
@@ -433,6 +436,10 @@ class FinishedRecords:
         wanted = set(caller_ids)
         return self._in_order(rid for name in wanted for rid in self._by_name.get(name, ())
                               if external_request_id(rid) in wanted)
+
+    def finish_time(self, engine_id: str) -> float:
+        """When the kept request `engine_id` finished (seconds since the epoch)."""
+        return self._added[engine_id][1]
 
     def _in_order(self, engine_ids) -> dict:
         return {rid: self.records[rid] for rid in sorted(set(engine_ids), key=self._added.__getitem__)}

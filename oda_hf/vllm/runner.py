@@ -100,13 +100,14 @@ class OdaRunnerMixin:
         return req_state
 
     def oda_routing_stats(self, response_id: str | None = None, engine_ids=None, details: bool = True,
-                          caller_ids=None) -> dict:
+                          caller_ids=None, finish_times: bool = False) -> dict:
         """Counts per engine request id (finished and running) and the pooled Full-call rate over them; `evicted`:
         the summed counts of the finished records no longer kept. Which records (each filter found without a scan of
         the finished ones, since every running request waits for this call): `response_id`, those of that OpenAI
         response by its id's form (`requests.records_of`); `caller_ids`, those whose caller's id is one of them;
         `engine_ids`, those. `details=False`: without their decisions and scores (what `/metrics` reads of every
-        record)."""
+        record). `finish_times`: also when each finished record's request finished (`finish_times`, engine id ->
+        seconds since the epoch), by which the server orders the records of several engines."""
         finished, running = self.oda_finished.records, self.oda_states
         if response_id is not None:
             finished = records_of(self.oda_finished.named(response_id), response_id, sub_requests=True,
@@ -123,6 +124,8 @@ class OdaRunnerMixin:
                    **{rid: state.summary(details) for rid, state in running.items()}}
         stats = pooled(records)
         stats["evicted"] = dict(self.oda_finished.evicted)
+        if finish_times:
+            stats["finish_times"] = {rid: self.oda_finished.finish_time(rid) for rid in finished}
         return stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,

@@ -62,17 +62,24 @@ async def _stats(app, response_id: str | None = None, **kwargs) -> dict:
     client = app.state.engine_client
     core = getattr(client, "engine_core", None)
     if len(getattr(core, "core_engines", None) or ()) > 1 and hasattr(core, "call_utility_all_async"):
-        per_engine = await core.call_utility_all_async("collective_rpc", "oda_routing_stats", None, (), kwargs or None)
+        per_engine = await core.call_utility_all_async("collective_rpc", "oda_routing_stats", None, (),
+                                                       {**kwargs, "finish_times": True})
         return merged_stats([workers[0] for workers in per_engine])
     return (await client.collective_rpc("oda_routing_stats", kwargs=kwargs or None))[0]
 
 
 def merged_stats(per_engine: list) -> dict:
     """The routing stats of several engines as one, as one worker gives them (`oda_routing_stats`: totals over the
-    records, `evicted` apart); engine request ids are unique across engines."""
+    records, `evicted` apart; engine request ids are unique across engines), and in the order one worker lists them:
+    finished records by the time they finished (each engine's `finish_times`), then running ones. Listed engine by
+    engine, a caller's id reused on two engines took the earlier request's record for the later's response."""
     from .requests import COUNTS, pooled
 
-    records = {rid: record for stats in per_engine for rid, record in stats["requests"].items()}
+    finished = sorted((time, engine, rid) for engine, stats in enumerate(per_engine)
+                      for rid, time in stats.get("finish_times", {}).items())
+    records = {rid: per_engine[engine]["requests"][rid] for _, engine, rid in finished}
+    records.update((rid, record) for stats in per_engine for rid, record in stats["requests"].items()
+                   if rid not in records)
     evicted = {name: sum((stats.get("evicted") or {}).get(name, 0) for stats in per_engine) for name in COUNTS}
     return {**pooled(records), "evicted": evicted}
 
@@ -178,6 +185,16 @@ def _newest_per_caller(records: dict) -> dict:
 
     newest = {external_request_id(rid): rid for rid in records}
     return {rid: records[rid] for rid in newest.values()}
+
+
+def _sole_records(records: dict) -> set:
+    """The engine ids of `records` whose caller's id no other record of them has."""
+    from collections import Counter
+
+    from .requests import external_request_id
+
+    callers = Counter(map(external_request_id, records))
+    return {rid for rid in records if callers[external_request_id(rid)] == 1}
 
 
 def _matching(records: dict, request_id: str) -> dict:
@@ -361,11 +378,15 @@ async def oda_routing_middleware(request, call_next):
     response_id, path = str(data.get("id", "")), served_as(path, asked, data)
     callers = response_caller_ids(path, data, (asked.get("n") or 1) if isinstance(asked, dict) else 1)
     if callers is not None:
-        mine = _newest_per_caller((await _stats(request.app, caller_ids=callers))["requests"])
+        everyone = (await _stats(request.app, caller_ids=callers))["requests"]
+        mine = _newest_per_caller(everyone)
+        # A reused caller id: the front end's count may still be the earlier request's alone (it counts a request
+        # after its response is built), which would cut this record to it: such records are cut by `usage` only.
+        mine_known = {rid: record for rid, record in mine.items() if rid in _sole_records(everyone)}
     else:
-        mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
-    await _counted(mine)
-    records = by_caller_id(returned_only(mine))
+        mine = mine_known = _matching((await _stats(request.app, response_id))["requests"], response_id)
+    await _counted(mine_known)
+    records = by_caller_id(returned_only(mine, returned_steps(mine_known)))
     choices, usage = data.get("choices") or [], data.get("usage") or {}
     if len(records) == 1 and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
         # one output: its returned tokens are in the response (the engine runs past a stop string; `trimmed`)

@@ -55,8 +55,8 @@ def _cpu_classes():
             _require_v1_runner(self)
             self.model_runner = OdaCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
-        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True, caller_ids=None):
-            return self.model_runner.oda_routing_stats(response_id, engine_ids, details, caller_ids)
+        def oda_routing_stats(self, *args, **kwargs):
+            return self.model_runner.oda_routing_stats(*args, **kwargs)
 
     return OdaCPUModelRunner, OdaCPUWorker
 
@@ -81,8 +81,8 @@ def _gpu_classes():
                 _require_v1_runner(self)
                 self.model_runner = OdaGPUModelRunner(self.vllm_config, self.device)
 
-        def oda_routing_stats(self, response_id=None, engine_ids=None, details=True, caller_ids=None):
-            return self.model_runner.oda_routing_stats(response_id, engine_ids, details, caller_ids)
+        def oda_routing_stats(self, *args, **kwargs):
+            return self.model_runner.oda_routing_stats(*args, **kwargs)
 
     return OdaGPUModelRunner, OdaGPUWorker
 
