@@ -445,6 +445,13 @@ def test_oda_serve_rejects_a_bad_port_and_dtype(capsys):
         assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--port must be an integer in 1..65535" in err and "unknown dtype 'fp8'" in err
+    # numbers read as every other command reads them: int()/float() took "1_0" as 10 and "1e-400" as 0
+    for flag, text in (("--threshold", "1_0"), ("--threshold", "1e-400"), ("--sinks", "0_4"), ("--window", "0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--base", "organism", "--head", "organism", flag, text])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}:" in err and text in err, err
 
 
 def test_oda_serve_takes_the_dtype_spellings_the_other_commands_take(monkeypatch):

@@ -527,6 +527,7 @@ def port_number(text: str) -> int:
 def add_cli(subparsers) -> None:
     from ..cli_common import dtype_name
     from ..known_models import base_argument, head_argument
+    from ..validation import MAX_SPAN, argument, integer, number
 
     parser = subparsers.add_parser(
         "serve", help="serve ODA with vLLM's OpenAI-compatible server (needs the vLLM environment)",
@@ -537,9 +538,11 @@ def add_cli(subparsers) -> None:
                         "(smollm2, gemma3-270m, qwen2.5-coder-0.5b)")
     parser.add_argument("--head", type=head_argument, default=None, help="recall head folder, or a shipped one "
                         "(smollm2, gemma3-270m, qwen2.5-coder-0.5b)")
-    parser.add_argument("--sinks", type=int, default=None)
-    parser.add_argument("--window", type=int, default=None)
-    parser.add_argument("--threshold", type=float, default=None, help="default threshold (a request may set its own)")
+    # read as every other command reads them (plain int()/float() took "1_0" as 10 and "1e-400" as 0)
+    parser.add_argument("--sinks", type=argument(integer, "sinks", minimum=0, maximum=MAX_SPAN), default=None)
+    parser.add_argument("--window", type=argument(integer, "window", minimum=1, maximum=MAX_SPAN), default=None)
+    parser.add_argument("--threshold", type=argument(number, "threshold"), default=None,
+                        help="default threshold (a request may set its own)")
     parser.add_argument("--policy", default=None, help="default policy: head | full | local | random:P[:SEED] | "
                         "schedule:K:PERIOD | budget:RATE[:THRESHOLD] (a request may set its own)")
     parser.add_argument("--dtype", default="float32", type=dtype_name,
