@@ -123,6 +123,20 @@ def test_repetition_penalty_counts_masked_interior_tokens_as_stock_does(oda_fast
     assert not torch.equal(reference[:, 14:], unpenalised[:, 14:])
     assert torch.equal(model.generate(ids, oda_mode="exact", oda_fast=oda_fast, **kwargs), reference)
 
+
+@pytest.mark.parametrize("family,seed,penalty", [("qwen3", 0, 0.5), ("llama", 4, 0.8)])
+def test_repetition_penalty_at_a_verified_position_counts_the_draft_just_before_it(family, seed, penalty):
+    """A verified position's logits are processed after every token before it, the draft just before it included.
+    With that draft left out of the penalty's prefix, a penalty below 1 (which favours repeats) no longer favoured it
+    there, and Full's verified token differed from stock's: wrong tokens, exit 0 (the penalties of 3 and 5 above
+    never made that token the deciding one)."""
+    model = exact_model(family)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(seed))
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, repetition_penalty=penalty)
+    assert torch.equal(model.generate(ids, oda_mode="exact", max_draft=3, verify_threshold=math.inf, **kwargs),
+                       model.base_model.generate(ids, **kwargs))
+
+
 @BACKENDS
 def test_eos_inside_a_draft_and_max_new_tokens_inside_a_draft(oda_fast):
     model = exact_model("qwen3")
@@ -146,6 +160,8 @@ def test_return_dict_and_routing_summary():
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock(model, ids, max_new_tokens=8))
     assert "Full passes" in model.routing.summary() and model.routing.tokens_per_full_pass >= 1
+    # the README's default: up to 3 drafts per verification when max_draft is not given
+    assert model.routing.max_draft == 3 and "max_draft 3," in model.routing.summary()
 
 
 def test_the_record_counts_what_drafting_and_verification_did():
@@ -174,6 +190,38 @@ def test_the_record_counts_what_drafting_and_verification_did():
     assert torch.equal(exact(model, long, max_new_tokens=13, max_draft=3, verify_threshold=0.25),
                        stock(model, long, max_new_tokens=13))
     assert model.routing.total("head_verifications") == 12 and model.routing.total("drafted") == 0
+
+
+def test_a_drafted_eos_ends_drafting_and_is_verified_without_a_token_after_it():
+    """An EOS ends the row as soon as it is drafted: the Full pass that verifies it is the row's last and computes no
+    token after it. When a pending or verified EOS did not end the row, the output was still right (cut at the EOS)
+    but Local drafted on and Full verified again: 11-12 drafts and 2 Full passes reported instead of 4 and 1."""
+    model = exact_model("qwen3")
+    wide = OdaForCausalLM(model.base_model, model.recall_head, OdaConfig(sinks=SINKS, window=64))  # Local == Full
+    ids = torch.randint(3, 90, (1, 3), generator=torch.Generator().manual_seed(6))
+    free = stock(model, ids, max_new_tokens=13)[0, 3:].tolist()
+    eos = free[4]   # the 5th token: the prefill's token, then 4 drafts of one 8-token run, the last of them the EOS
+    assert eos not in free[:4]
+    out = wide.generate(ids, max_new_tokens=13, do_sample=False, pad_token_id=0, eos_token_id=eos, oda_mode="exact",
+                        max_draft=8, verify_threshold=math.inf)
+    assert out[0, 3:].tolist() == free[:5]
+    counts = {name: wide.routing.total(name) for name in ExactRecord.COUNTS}
+    assert counts == {"generated": 5, "drafted": 4, "accepted": 4, "corrected": 0, "bonus": 0, "full_passes": 1,
+                      "head_verifications": 0, "near_ties": 0}
+
+
+@pytest.mark.parametrize("penalty", [0.6, 1.3, 2.0])
+def test_drafts_are_penalised_after_the_pending_drafts_too(penalty):
+    """Within the window Local reads what Full reads, so with the same logits processing Full confirms every draft.
+    A draft processed after the verified tokens alone (the pending drafts before it left out of the repetition
+    penalty) was another token than Full's and got corrected: output right, but more Full passes than needed."""
+    model = exact_model("qwen3")
+    wide = OdaForCausalLM(model.base_model, model.recall_head, OdaConfig(sinks=SINKS, window=64))  # Local == Full
+    ids = torch.randint(3, 90, (1, 3), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, repetition_penalty=penalty)
+    assert torch.equal(wide.generate(ids, oda_mode="exact", max_draft=8, verify_threshold=math.inf, **kwargs),
+                       model.base_model.generate(ids, **kwargs))
+    assert wide.routing.total("corrected") == 0 and wide.routing.total("drafted") > 0
 
 
 # -- the cache operations exact decoding relies on ----------------------------------------------------------
@@ -275,6 +323,9 @@ def test_greedy_rule_and_near_ties():
     # bfloat16 logits move in steps of 2^-7 of their size: one step apart at 1.125 is a near tie there, not in float32
     close = torch.tensor([[1.125, 1.1171875, 0.0]])
     assert greedy_verify([], close, torch.bfloat16)[2] == 1 and greedy_verify([], close)[2] == 0
+    # ...and below zero: the rounding step follows the top logit's size, whatever its sign
+    below = torch.tensor([[-1.125, -1.1171875, -5.0]])
+    assert greedy_verify([], below, torch.bfloat16)[2] == 1 and greedy_verify([], below)[2] == 0
 
 
 @pytest.mark.parametrize("seed", [394, 5, 17, 101])
@@ -290,6 +341,25 @@ def test_bfloat16_greedy_differs_from_stock_only_where_a_near_tie_is_counted(see
     expected = stock(model, ids, max_new_tokens=40)
     out = exact(model, ids, max_new_tokens=40, max_draft=4, verify_threshold=math.inf)
     assert torch.equal(out, expected) or model.routing.total("near_ties") > 0
+
+
+@pytest.mark.parametrize("seed", [46, 121])
+def test_bfloat16_verified_positions_count_near_ties_at_the_model_dtypes_rounding(seed):
+    """The verification pass's logits are bfloat16 too, so its near ties are judged at bfloat16's rounding. On these
+    runs (flatter logits, hidden size 128) the output differs from stock's with no near tie at the first token: at
+    float32's 1e-4 no verified position was counted either, and near_ties read 0 for a different output, exit 0."""
+    base = tiny_model("llama", seed=seed, hidden_size=128).to(torch.bfloat16)
+    with torch.no_grad():
+        base.get_output_embeddings().weight.mul_(0.5)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8)).to(torch.bfloat16)
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=SINKS, window=WINDOW, threshold=0.0))
+    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(seed))
+    out = exact(model, ids, max_new_tokens=40, max_draft=4, verify_threshold=math.inf)
+    assert not torch.equal(out, stock(model, ids, max_new_tokens=40))   # (the case this test is about)
+    with torch.no_grad():
+        first = base(ids).logits[0, -1:].float()
+    assert greedy_verify([], first, torch.bfloat16)[2] == 0   # the first token is no near tie: a verified one is
+    assert model.routing.total("near_ties") > 0
 
 
 def test_bfloat16_first_token_of_a_padded_row_counts_its_near_tie():
@@ -354,6 +424,29 @@ def test_sampling_gives_full_distribution():
     assert model.routing.total("drafted") == runs and 0 < model.routing.total("corrected") < runs
     statistic = float(log_ratio[out[:, -1]].mean())
     assert abs(statistic - kl_full_local) < 5 * standard_error, (statistic, kl_full_local, standard_error)
+
+
+def test_sampled_second_token_follows_fulls_distribution_over_the_vocabulary():
+    """The second token of 2,000 runs (a Local draft that Full accepts or replaces, temperature 0.1) against Full's
+    exact distribution of it over the whole vocabulary: total variation 0.057 (seed 0; sampling noise alone is about
+    0.05 at 2,000 draws), bound 0.15. A target softmax at twice the sampler's temperature gave 0.372 here, the wrong
+    distribution with exit 0, yet passed the test above (its one statistic, the log-ratio to Local, stayed in range)."""
+    model = exact_model("qwen3")
+    base = model.base_model
+    prompt = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(9))
+    temperature, runs = 0.1, 2000
+    first = full_next_token_distribution(base, prompt, temperature)
+    full_second = torch.zeros_like(first)
+    for token in (first > 1e-9).nonzero().flatten().tolist():
+        with_token = torch.cat([prompt, torch.tensor([[token]])], dim=1)
+        full_second += first[token] * full_next_token_distribution(base, with_token, temperature)
+    torch.manual_seed(0)
+    out = model.generate(prompt.repeat(runs, 1), max_new_tokens=2, do_sample=True, temperature=temperature,
+                         top_k=0, pad_token_id=0, oda_mode="exact", max_draft=1, verify_threshold=math.inf)
+    assert model.routing.total("drafted") == runs and 0 < model.routing.total("corrected") < runs
+    drawn = torch.bincount(out[:, -1], minlength=first.shape[0]).double() / runs
+    distance = 0.5 * float((drawn - full_second).abs().sum())
+    assert distance < 0.15, distance
 
 
 # -- bad input -------------------------------------------------------------------------------------------------
