@@ -605,20 +605,115 @@ two = served({"prompt": ["x", "y"]}, {"id": "cmpl-s", "choices": [{}, {}], "usag
 note_returned("cmpl-job-0", 6)
 again = served({"prompt": "x"}, {"id": "cmpl-job", "choices": [{}], "usage": {"completion_tokens": 10}},
                {"cmpl-job-0-1a2b3c4d": record(5), "cmpl-job-0-5e6f7a8b": record(9)})
-print(json.dumps([one["routed_steps"], two["routed_steps"], again["routed_steps"]]))
+seen = {"trimmed": [one["routed_steps"], two["routed_steps"], again["routed_steps"]]}
+
+# ODA's answers and rewritten responses, from an engine that keeps its records as ODA's worker does
+import oda_hf.vllm.stats as stats
+from oda_hf.vllm.requests import FinishedRecords, packed
+from oda_hf.vllm.runner import OdaRunnerMixin
+
+def summary(policy, steps):
+    state = RequestState(RequestRouting(policy))
+    for _ in range(steps):
+        state.record(policy == "full")
+    return state.summary()
+
+def reply(status, data, headers=()):   # a starlette-like response of vLLM's, with the length of its own body
+    body = json.dumps(data).encode()
+    async def chunks():
+        yield body
+    return SimpleNamespace(status_code=status, body_iterator=chunks(), headers={
+        "content-type": "application/json", "content-length": str(len(body)), **dict(headers)})
+
+# the middleware's response, from an engine whose worker keeps the `finished` records (in finish order) and a router
+# serving `data` on `path`; `later`: (seconds, callback) run while the middleware works
+def answer(method, path, finished, body=None, query=None, data=None, later=None):
+    runner = object.__new__(OdaRunnerMixin)
+    runner.oda_states, runner.oda_finished = {}, FinishedRecords()
+    for rid, kept in finished.items():
+        runner.oda_finished.add(rid, packed(kept))
+    async def collective_rpc(name, kwargs=None):
+        return [runner.oda_routing_stats(**(kwargs or {}))]
+    async def read_body():
+        return json.dumps(body).encode()
+    async def call_next(request):   # vLLM's middlewares pass; no route serves the probe path ODA answers through
+        if request.scope["path"] in (server.ROUTING_PATH, server.UNGUARDED_PROBE_PATH):
+            return reply(404, {"detail": "Not Found"})
+        return reply(200, data)
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(collective_rpc=collective_rpc)))
+    request = SimpleNamespace(scope={"path": path}, method=method, query_params=query or {}, body=read_body, app=app,
+                              headers={"content-type": "application/json"})
+    async def run():
+        if later is not None:
+            asyncio.get_running_loop().call_later(*later)
+        return await server.oda_routing_middleware(request, call_next)
+    response = asyncio.run(run())
+    return response, json.loads(response.body)
+
+# GET /v1/oda/routing?request_id=<a mistyped id>: 404, naming it (not 200 with no steps)
+response, data = answer("GET", server.ROUTING_PATH, {"cmpl-a-0-1a2b3c4d": summary("full", 3)},
+                        query={"request_id": "nobody"})
+seen["unknown_id"] = [response.status_code, "'nobody'" in data.get("error", "")]
+# GET /v1/oda/routing: every record cut to the tokens the front end returned (a stop string after 5 tokens)
+note_returned("cmpl-all-0", 5)
+response, data = answer("GET", server.ROUTING_PATH, {"cmpl-all-0-1a2b3c4d": summary("full", 7)})
+seen["every_record"] = [data["routed_steps"], data["requests"]["cmpl-all-0"]["routed_steps"]]
+# an X-Request-Id used twice: the earlier request Full, the later Local; the later's response carries Local
+response, data = answer("POST", "/v1/completions", {"cmpl-again-0-1a2b3c4d": summary("full", 4),
+                                                     "cmpl-again-0-5e6f7a8b": summary("local", 4)},
+                        body={"prompt": "x"}, data={"id": "cmpl-again", "choices": [{}],
+                                                    "usage": {"completion_tokens": 5}})
+seen["reused_id"] = [r["policy"] for r in data["oda_routing"]["requests"].values()]
+seen["length"] = response.headers["content-length"] == str(len(response.body))
+# SageMaker's /invocations: a chat body that vLLM served as a completion (its response says so): ids "<id>-<i>"
+response, data = answer("POST", "/invocations", {"cmpl-inv-0-1a2b3c4d": summary("full", 4)},
+                        body={"messages": [{"role": "user", "content": "x"}]},
+                        data={"id": "cmpl-inv", "object": "text_completion", "choices": [{}],
+                              "usage": {"completion_tokens": 5}})
+seen["invocations"] = data.get("oda_routing", {}).get("routed_steps")
+# two prompts, each cut by a stop string after 5 of 8 tokens; the front end counts them 50 ms after the response is
+# built, while the middleware waits for it
+stats._counting = True
+response, data = answer("POST", "/v1/completions", {"cmpl-late-0-1a2b3c4d": summary("full", 7),
+                                                     "cmpl-late-1-5e6f7a8b": summary("full", 7)},
+                        body={"prompt": ["x", "y"]}, data={"id": "cmpl-late", "choices": [{}, {}],
+                                                           "usage": {"completion_tokens": 10}},
+                        later=(0.05, lambda: [note_returned(f"cmpl-late-{i}", 5) for i in range(2)]))
+stats._counting = False
+seen["counted_later"] = [r["routed_steps"] for r in data["oda_routing"]["requests"].values()]
+print(json.dumps(seen))
 """
 
 
-def test_the_middleware_trims_a_record_the_front_end_has_not_counted():
+@pytest.fixture(scope="module")
+def middleware_probe():
+    """What MIDDLEWARE_PROBE saw, in one process for both tests (importing vLLM takes most of its ~12 s)."""
+    proc = subprocess.run([VLLM_PYTHON, "-c", MIDDLEWARE_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_middleware_trims_a_record_the_front_end_has_not_counted(middleware_probe):
     """When vLLM's front end has not counted a response's tokens within the middleware's wait, the middleware trims the
     one record of a one-choice response to its returned tokens itself (7 steps run, 5 tokens returned: 4 steps), and
     leaves a record it cannot attribute untrimmed (two choices: 7). A caller id used by two requests: the front end's
     count may be the earlier one's alone, so the newer record is cut by `usage` only (it was cut to the earlier
     request's 6 tokens: 5 steps for 9). No engine runs: a fake app and vLLM's starlette."""
-    proc = subprocess.run([VLLM_PYTHON, "-c", MIDDLEWARE_PROBE], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [4, 7, 9]
+    assert middleware_probe["trimmed"] == [4, 7, 9]
+
+
+def test_the_middlewares_answers_hold_the_records_the_user_asked_for(middleware_probe):
+    """Found by a mutation audit, each a change only the slow live-server test saw, or none: a mistyped request id
+    answered 200 with an empty pool (a request that ran no step) instead of 404; /v1/oda/routing without an id
+    counted the steps run past a stop string (7 for 4); a reused X-Request-Id's response carried the earlier
+    request's record (Full for Local); the rewritten body kept the inner response's content-length (a client reads a
+    cut body); an /invocations chat body served as a completion had no oda_routing; the records of a response whose
+    tokens the front end counts while the middleware waits were left as run (7 each for 4). A fake engine (ODA's
+    worker's record keeping) and vLLM's starlette."""
+    assert {key: value for key, value in middleware_probe.items() if key != "trimmed"} == {
+        "unknown_id": [404, True], "every_record": [4, 4], "reused_id": ["local"], "length": True, "invocations": 4,
+        "counted_later": [4, 4]}
 
 
 ENGINE_SIDE_PROBE = """

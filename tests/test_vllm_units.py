@@ -40,6 +40,7 @@ def test_request_knobs(extra, expected):
 @pytest.mark.parametrize("extra,message", [
     ({"oda_policy": "sometimes"}, "oda_policy: unknown policy"),
     ({"oda_policy": "head:"}, "oda_policy: unknown policy"),
+    ({"oda_policy": ""}, "oda_policy: unknown policy ''"),   # not the engine's default: the request named a policy
     ({"oda_policy": "random::0.5"}, "must be a number; got ''"),
     ({"oda_policy": "random:1.5"}, ">= 0 and <= 1"),
     ({"oda_policy": "random:nan"}, "finite"),
@@ -60,6 +61,10 @@ def test_request_knobs(extra, expected):
     ({"oda_polciy": "full"}, "Unknown ODA request key.*'oda_polciy'"),
     ({"ODA_POLICY": "local"}, "Unknown ODA request key"),
     ({"oda_policy ": "local"}, "Unknown ODA request key"),
+    # an oda_ key in other case, with a stray space or dashes, whatever knob it names (served with the default)
+    ({"ODA_WINDOW": 64}, "Unknown ODA request key.*'ODA_WINDOW'"),
+    ({"oda-sinks": 2}, "Unknown ODA request key.*'oda-sinks'"),
+    ({" oda_window": 1}, "Unknown ODA request key.*' oda_window'"),
     ({"oda-threshold": 0.5, "oda_policy": "full"}, "Unknown ODA request key"),
     ({"odaPolicy": "local"}, "Unknown ODA request key.*'odaPolicy'"),   # was served with the engine's default
     ({"oda.threshold": 0.5}, "Unknown ODA request key"),
@@ -222,6 +227,12 @@ def test_prefix_caching_of_a_streaming_session_stops_at_its_first_prompt():
     assert cacheable_tokens(session) == 30
     session.num_prompt_tokens = 52   # the next turn: the first turn's output (Local steps among it) is now prompt
     assert cacheable_tokens(session) == 30
+
+
+def test_an_engine_without_a_head_serves_local_by_default():
+    """A headless engine's default is the StreamingLLM baseline (as `oda generate` without --head), not Full: a
+    request without knobs to `oda serve --base B` would otherwise get stock attention while the user measured Local."""
+    assert ServingSettings.resolve().default_routing == RequestRouting("local", 0.0)
 
 
 def test_admission_refuses_head_requests_to_a_headless_engine():
@@ -1058,6 +1069,10 @@ def test_a_gpu_engine_is_eager_and_schedules_synchronously(monkeypatch):
     argv = serve_argv(args, [])
     assert argv[argv.index("--attention-backend") + 1] == "FLASH_ATTN"
     assert "--attention-backend" not in serve_argv(args, ["--attention-config.backend", "TRITON_ATTN"])
+    # vLLM's alias and abbreviations name them too (both flags sent, vLLM refused to start)
+    for given in (["-ac", '{"backend": "TRITON_ATTN"}'], ["--attention-b", "TRITON_ATTN"], ["--attention_backend=X"]):
+        assert "--attention-backend" not in serve_argv(args, given)[:-len(given)], given
+    assert "--attention-backend" in serve_argv(args, ["--max-model-len", "64"])
     monkeypatch.setattr(plugin, "worker_class_name", lambda: "oda_hf.vllm.worker.OdaCPUWorker")
     assert not {"async_scheduling", "attention_backend"} & set(engine_args("organism", policy="local"))
 
@@ -1199,6 +1214,8 @@ def test_finished_records_are_found_by_the_ids_callers_know_without_a_scan():
     ("/v1/chat/completions", 1, 1, ["cmpl-r"]),
     ("/v1/chat/completions", 3, 3, ["0_cmpl-r", "1_cmpl-r", "2_cmpl-r"]),
     ("/v1/chat/completions", 2, 1, ["cmpl-r_0", "cmpl-r_1"]),
+    ("/v1/chat/completions/batch", 2, 1, ["cmpl-r_0", "cmpl-r_1"]),   # one conversation per choice
+    ("/v1/chat/completions/batch", 1, 1, ["cmpl-r_0"]),                # "_0" for one conversation too
     ("/v1/completions", 3, 2, None),   # choices that do not divide into the samples asked for
     ("/v1/completions", 0, 1, None),
 ])
@@ -1327,6 +1344,21 @@ def test_records_of_several_engines_are_merged_in_finish_order(monkeypatch):
     del engines[1].oda_states["chatcmpl-job-9f9f9f9f"]
     newest = _newest_per_caller(asyncio.run(_stats(app, caller_ids=["chatcmpl-job"]))["requests"])
     assert [record["policy"] for record in newest.values()] == ["local"]
+
+
+def test_caller_ids_are_kept_whole_when_vllm_does_not_randomize_them(monkeypatch):
+    """With VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 vLLM adds no ``-<8 hex>`` to a caller's id: a caller's own
+    ``job-deadbeef`` was cut to ``job`` and its response got no oda_routing."""
+    from oda_hf.vllm.requests import external_request_id
+
+    assert external_request_id("job-deadbeef") == "job"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert external_request_id("job-deadbeef") == "job-deadbeef"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0")
+    assert external_request_id("job-deadbeef") == "job"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "yes")
+    with pytest.raises(ValueError, match="must be an integer"):
+        external_request_id("job-deadbeef")
 
 
 # -- boundaries a mutation audit of the plugin's pure-Python parts found unpinned ------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import time
 from collections import OrderedDict
@@ -297,9 +298,21 @@ def replay_flags(state: RequestState, prompt: int, first: int, count: int, span:
 
 
 def external_request_id(engine_id: str) -> str:
-    """The id a caller gave (or the API server made) for a request: vLLM's engine appends ``-<8 hex digits>``."""
+    """The id a caller gave (or the API server made) for a request: vLLM's engine appends ``-<8 hex digits>``, unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (then a caller's own ``job-deadbeef`` is kept whole)."""
+    if _ids_not_randomized():
+        return engine_id
     head, _, tail = engine_id.rpartition("-")
     return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else engine_id
+
+
+def _ids_not_randomized() -> bool:
+    """vLLM's ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, read as vLLM reads it (an integer, 0 by default)."""
+    value = os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0")
+    try:
+        return bool(int(value))
+    except ValueError:   # vLLM itself fails on it
+        raise ValueError(f"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION must be an integer (0 or 1); got {value!r}") from None
 
 
 def sample_of(request_id: str) -> tuple[int, str] | None:

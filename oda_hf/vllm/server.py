@@ -437,6 +437,17 @@ def _own_flag(arg: str) -> str | None:
     return None
 
 
+def _sets_attention(arg: str) -> bool:
+    """Whether `arg` is vLLM's ``--attention-backend`` or ``--attention-config`` as its parser reads them: the flag,
+    a key of the config (``--attention-config.backend``), its alias ``-ac``, or an abbreviation."""
+    name = _flag_name(arg)
+    if name is None:
+        return False
+    name = name.split(".", 1)[0]
+    return name == "-ac" or (len(name) > len("--attention-") and
+                             any(flag.startswith(name) for flag in ("--attention-backend", "--attention-config")))
+
+
 def _api_server_counts(passthrough: list[str]) -> list[str]:
     """Every value given to vLLM's ``--api-server-count`` (``-asc``, an abbreviation of either, ``_`` for ``-``); the
     parser keeps the last."""
@@ -469,7 +480,7 @@ def serve_argv(args, passthrough: list[str]) -> list[str]:
     check_passthrough(passthrough)
     kwargs = engine_args(args.base, args.head, sinks=args.sinks, window=args.window, threshold=args.threshold,
                          policy=args.policy)
-    if any(arg.replace("_", "-").startswith(("--attention-backend", "--attention-config")) for arg in passthrough):
+    if any(map(_sets_attention, passthrough)):
         kwargs.pop("attention_backend", None)   # the caller's backend (vLLM refuses both flags together)
     return ["vllm.entrypoints.openai.api_server", "--model", kwargs.pop("model"),
             "--hf-overrides", json.dumps(kwargs.pop("hf_overrides")), "--worker-cls", kwargs.pop("worker_cls"),
