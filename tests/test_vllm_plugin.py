@@ -381,11 +381,13 @@ def test_openai_server_with_oda(gqa3, tmp_path):
 def test_data_parallel_servers_keep_the_records_of_every_engine(gqa3, tmp_path):
     """With --data-parallel-size 2 the requests the second engine served had no oda_routing, a 404 from
     /v1/oda/routing and no place in /metrics (HTTP 200 all the same): the records were read from the first engine
-    only. One request pinned to each engine."""
+    only. One request pinned to each engine; then one X-Request-Id used twice, on engine 1 (Full) and later on engine
+    0 (Local): merged engine by engine, the later response carried the earlier request's record (an audit's server)."""
     import urllib.request
 
-    def call(port, path, body=None, rank=None):
-        headers = {"Content-Type": "application/json", **({} if rank is None else {"X-data-parallel-rank": rank})}
+    def call(port, path, body=None, rank=None, request_id=None):
+        headers = {"Content-Type": "application/json", **({} if rank is None else {"X-data-parallel-rank": rank}),
+                   **({} if request_id is None else {"X-Request-Id": request_id})}
         request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers,
                                          data=None if body is None else json.dumps(body).encode())
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -395,18 +397,21 @@ def test_data_parallel_servers_keep_the_records_of_every_engine(gqa3, tmp_path):
     folder = os.path.dirname(gqa3["head"])
     with oda_server(tmp_path, gqa3["head"], "--data-parallel-size", "2",
                     env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as port:
-        served = []
-        for rank, policy in ((0, "full"), (1, "local")):
+        served, reused = [], []
+        for rank, policy, request_id, responses in ((0, "full", None, served), (1, "local", None, served),
+                                                    (1, "full", "job", reused), (0, "local", "job", reused)):
             body = {"model": folder, "prompt": gqa3["long"][5], "max_tokens": 10, "temperature": 0,
                     "ignore_eos": True, "vllm_xargs": {"oda_policy": policy}}
-            served.append(call(port, "/v1/completions", body, rank=str(rank)))
+            responses.append(call(port, "/v1/completions", body, rank=str(rank), request_id=request_id))
         listed = [call(port, f"/v1/oda/routing?request_id={response['id']}") for response in served]
         metrics = call(port, "/metrics")
     for response, listed_one, policy, full in zip(served, listed, ("full", "local"), (9, 0)):
         record = next(iter(response["oda_routing"]["requests"].values()))
         assert (record["policy"], record["routed_steps"], record["full_calls"]) == (policy, 9, full)
         assert next(iter(listed_one["requests"].values()))["decisions"] == record["decisions"]
-    assert "oda_routed_steps_total 18" in metrics and "oda_full_calls_total 9" in metrics
+    assert [[r["policy"] for r in response["oda_routing"]["requests"].values()] for response in reused] == [
+        ["full"], ["local"]]
+    assert "oda_routed_steps_total 36" in metrics and "oda_full_calls_total 18" in metrics
 
 
 def test_preempted_requests_continue_as_if_never_preempted(gqa3, tmp_path):

@@ -75,8 +75,8 @@ def merged_stats(per_engine: list) -> dict:
     engine, a caller's id reused on two engines took the earlier request's record for the later's response."""
     from .requests import COUNTS, pooled
 
-    finished = sorted((time, engine, rid) for engine, stats in enumerate(per_engine)
-                      for rid, time in stats.get("finish_times", {}).items())
+    finished = sorted((finished_at, engine, rid) for engine, stats in enumerate(per_engine)
+                      for rid, finished_at in stats.get("finish_times", {}).items())
     records = {rid: per_engine[engine]["requests"][rid] for _, engine, rid in finished}
     records.update((rid, record) for stats in per_engine for rid, record in stats["requests"].items()
                    if rid not in records)
@@ -382,7 +382,8 @@ async def oda_routing_middleware(request, call_next):
         mine = _newest_per_caller(everyone)
         # A reused caller id: the front end's count may still be the earlier request's alone (it counts a request
         # after its response is built), which would cut this record to it: such records are cut by `usage` only.
-        mine_known = {rid: record for rid, record in mine.items() if rid in _sole_records(everyone)}
+        sole = _sole_records(everyone)
+        mine_known = {rid: record for rid, record in mine.items() if rid in sole}
     else:
         mine = mine_known = _matching((await _stats(request.app, response_id))["requests"], response_id)
     await _counted(mine_known)
