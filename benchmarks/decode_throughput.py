@@ -261,13 +261,15 @@ def worker(args) -> dict:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "continuation": tokens[:steps_total] if continuation is None else None,
     }
-    if routed is not None and routing != "full":
-        result["full_call_rate"] = routed.routing.full_call_rate
+    if routed is not None and routing != "full":   # over the measured steps, as the times are (not the warm-up's)
+        result["full_call_rate"] = float(routed.routing.decisions[:, args.steps:].double().mean())
     return result
 
 
 def copy_bandwidth(threads: int, nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second of the fastest of `repeats` copies of an `nbytes` float32 tensor (each byte read once)."""
+    """Bytes per second the fastest of `repeats` copies of an `nbytes` float32 tensor moves: each byte read once and
+    written once, as `engine_throughput.copy_bandwidth` counts (counted as reads alone, the bandwidth came out half
+    a read's and the bytes limits twice too long)."""
     torch.set_num_threads(threads)
     source = torch.ones(nbytes // 4)
     target = torch.empty_like(source)
@@ -277,7 +279,7 @@ def copy_bandwidth(threads: int, nbytes: int, repeats: int = 5) -> float:
         start = time.perf_counter()
         target.copy_(source)
         best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return 2 * nbytes / best
 
 
 def cost_models(name: str, sinks: int, window: int, dtype: torch.dtype, bandwidth: float):

@@ -193,9 +193,11 @@ def worker(args) -> dict:
     if device.type == "cuda":
         result["peak_cuda_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     routing = routing_of(engine, oda)
-    rate = 1.0 if routing is None else routing.full_call_rate
-    # Share of steps that ran the Full pass (for all rows): above the per-row rate when rows recall independently.
-    full_pass_rate = 1.0 if routing is None else float(routing.decisions.any(0).double().mean())
+    # Over the measured steps, as the times are (the first segment is a warm-up): Full calls per row-step, and the
+    # share of steps that ran the Full pass (for all rows), above the per-row rate when rows recall independently.
+    measured = None if routing is None else routing.decisions[:, args.steps:]
+    rate = 1.0 if measured is None else float(measured.double().mean())
+    full_pass_rate = 1.0 if measured is None else float(measured.any(0).double().mean())
     runs_local = args.method not in STOCK and not args.method.endswith("-full")
     result["bytes_limit_ms"] = 1000 * step_bytes(model, args.length, args.sinks, args.window, full_pass_rate,
                                                  runs_local, args.batch) / copy_bandwidth(device)
