@@ -96,20 +96,12 @@ def main() -> None:
         summary[policy][0] += same_tokens
         summary[policy][1] += 1
         row = {"prompt": index % len(prompts), "policy": policy, "tokens_equal": same_tokens,
-               "first_token_difference": next((i for i, (a, b) in enumerate(zip(tokens, ours["tokens"])) if a != b),
-                                              None),
+               "first_token_difference": first_difference(tokens, ours["tokens"]),
                "full_calls": ours["routing"]["full_calls"], "decided_steps": ours["routing"]["decided_steps"]}
         if policy == "head":
-            scores = model.routing.scores[0].tolist()
-            theirs = model.routing.decisions[0].tolist()
-            mine = ours["routing"]["decisions"]
-            near = [i for i, q in enumerate(scores) if math.isfinite(q) and abs(q - threshold) < 1e-4]
-            compared = min(len(mine), len(theirs))
-            differ = [i for i in range(compared) if mine[i] != theirs[i]]
-            diffs = [abs(a - b) for a, b in zip(ours["routing"]["scores"], scores)
-                     if a is not None and math.isfinite(b)]
-            row.update(decisions_differ=len(differ), differ_unexplained=len([i for i in differ if i not in near]),
-                       near_threshold=len(near), max_score_difference=max(diffs) if diffs else 0.0)
+            row.update(compare_decisions(ours["routing"]["decisions"], ours["routing"]["scores"],
+                                         model.routing.decisions[0].tolist(), model.routing.scores[0].tolist(),
+                                         threshold))
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -119,14 +111,15 @@ def main() -> None:
              "CPU build (float32), all requests of the three policies in one continuous batch. Command: "
              f"`{' '.join(sys.argv)}`", "",
              "| prompt | policy | tokens equal | first differing token | Full calls / decided | decisions differing "
-             "(unexplained) | scores within 1e-4 of theta | max score difference |",
+             "(unexplained) | scores within 1e-4 of theta | max score difference (scores compared) |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['prompt']} | {r['policy']} | {'yes' if r['tokens_equal'] else 'no'} | "
                      f"{'' if r['first_token_difference'] is None else r['first_token_difference']} | "
                      f"{r['full_calls']} / {r['decided_steps']} | "
                      + (f"{r['decisions_differ']} ({r['differ_unexplained']}) | {r['near_threshold']} | "
-                        f"{r['max_score_difference']:.2e} |" if r["policy"] == "head" else " | | |"))
+                        f"{r['max_score_difference']:.2e} ({r['scores_compared']}) |" if r["policy"] == "head"
+                        else " | | |"))
     lines += ["", "Tokens equal per policy: " + ", ".join(f"{p} {a}/{n}" for p, (a, n) in summary.items())]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -134,6 +127,27 @@ def main() -> None:
         with open(args.out + ".tmp", "w") as f:
             f.write(text)
         os.replace(args.out + ".tmp", args.out)
+
+
+def first_difference(mine: list, theirs: list) -> int | None:
+    """The first position where two token lists differ (the shorter one's length when it is a prefix of the
+    other); None when they are equal."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                None if len(mine) == len(theirs) else min(len(mine), len(theirs)))
+
+
+def compare_decisions(vllm_decisions: list, vllm_scores: list, hf_decisions: list, hf_scores: list,
+                      threshold: float) -> dict:
+    """vLLM's decisions and scores for one request against the Transformers path's. A step one side has and the other
+    lacks counts as a differing decision that no near-threshold score explains (a short or empty vLLM record compared
+    as equal over the steps both had)."""
+    near = {i for i, q in enumerate(hf_scores) if math.isfinite(q) and abs(q - threshold) < 1e-4}
+    both = min(len(vllm_decisions), len(hf_decisions))
+    differ = [i for i in range(max(len(vllm_decisions), len(hf_decisions)))
+              if i >= both or vllm_decisions[i] != hf_decisions[i]]
+    diffs = [abs(a - b) for a, b in zip(vllm_scores, hf_scores) if a is not None and math.isfinite(b)]
+    return dict(decisions_differ=len(differ), differ_unexplained=len([i for i in differ if i >= both or i not in near]),
+                near_threshold=len(near), scores_compared=len(diffs), max_score_difference=max(diffs) if diffs else 0.0)
 
 
 if __name__ == "__main__":

@@ -128,3 +128,20 @@ def test_smollm2_summary_keeps_the_control_oda_evals_report_keeps(tmp_path):
     records = script.load(str(tmp_path))[2048]
     assert sorted((r["id"], r["p"]) for r in records if r["kind"] == "random") == [("a/0", 0.4), ("a/1", 0.4)]
     assert "| **macro** | 2048 | | **100.0** | **50.0** |" in script.table(script.load(str(tmp_path)))[0]
+
+
+def test_vllm_equivalence_counts_steps_one_side_lacks_as_unexplained_differences():
+    """The vLLM-vs-Transformers comparison compared decisions over the steps both had and scores where both had one:
+    an empty or cut-short vLLM record read as 0 differing decisions and a score difference of 0.0."""
+    spec = importlib.util.spec_from_file_location(
+        "vllm_equivalence", os.path.join(os.path.dirname(SCRIPT), "vllm_equivalence.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    hf_decisions, hf_scores = [False, True, False], [-0.5, 0.00005, -0.2]
+    empty = script.compare_decisions([], [], hf_decisions, hf_scores, 0.0)
+    assert (empty["decisions_differ"], empty["differ_unexplained"], empty["scores_compared"]) == (3, 3, 0)
+    near = script.compare_decisions([False, False, False], [-0.5, -0.00005, -0.2], hf_decisions, hf_scores, 0.0)
+    assert (near["decisions_differ"], near["differ_unexplained"], near["near_threshold"]) == (1, 0, 1)
+    assert near["max_score_difference"] == 1e-4 and near["scores_compared"] == 3
+    assert script.first_difference([1, 2, 3], [1, 2]) == 2 and script.first_difference([1, 2], [1, 2]) is None
+    assert script.first_difference([1, 5], [1, 2, 3]) == 1
