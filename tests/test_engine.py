@@ -645,6 +645,9 @@ def test_benchmark_script_tiny(tmp_path):
     # (the rate had been the record's over all 12 steps, 2/12, beside times of the measured steps alone)
     assert rows[2]["full_call_rate"] == 0.0 and all(t > 0 for t in rows[2]["throughput"])
     assert all(r["bytes_limit_ms"] > 0 for r in rows)
+    # one bandwidth for every row (the best measured), not each worker's own
+    best = max(r["bandwidth_bytes_per_s"] for r in rows)
+    assert all(r["bytes_limit_ms"] == pytest.approx(1000 * r["step_bytes"] / best) for r in rows)
     fastest_stock = max(r["median"] for r in rows[:2])
     assert rows[2]["vs_best_stock"] == pytest.approx(rows[2]["median"] / fastest_stock)
 
