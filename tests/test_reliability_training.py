@@ -721,3 +721,74 @@ def test_a_damaged_shard_is_named_and_rewritten_by_the_same_command(setup, tmp_p
     code, err = _oda(_cache(setup, cache, "--rows-per-shard", "2"))
     assert code == 0, err
     assert shard.read_bytes() == intact
+
+
+def _paired_model(base):
+    from oda_hf import OdaConfig, OdaForCausalLM
+
+    return OdaForCausalLM(base, None, OdaConfig(sinks=S, window=W, policy="local"))
+
+
+def test_paired_supervision_refuses_attention_it_cannot_pair():
+    """Without these refusals Gemma2's attention soft-cap and gpt-oss's learned sinks would be dropped silently and
+    an unknown layer kind paired as full attention: wrong gains, exit 0 (mutants an audit found no test killed)."""
+    import transformers
+
+    from oda_hf.training.attention import PairContext, paired_attention_forward
+    from oda_hf.training.layout import build_layout
+    from oda_hf.training.paired import paired_supervision
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                  num_hidden_layers=2, head_dim=8, sliding_window=4)
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    for make, config, fragment in [
+        (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(attn_logit_softcapping=50.0, **common),
+         "soft-capping"),
+        (transformers.GptOssForCausalLM, transformers.GptOssConfig(num_local_experts=2, num_experts_per_tok=1,
+                                                                   **common), "Learned attention sinks"),
+    ]:
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        with pytest.raises(NotImplementedError, match=fragment):
+            paired_supervision(_paired_model(make(config).eval()), ids)
+
+    layout = build_layout(ids, sinks=S, window=W)
+    module = torch.nn.Module()
+    module.layer_type = "chunked_attention"
+    q = torch.randn(3, 4, 10, 8)
+    with pytest.raises(NotImplementedError, match="no rule for attention layers of kind 'chunked_attention'"):
+        paired_attention_forward(module, q, q[:, :2], q[:, :2], None, oda_pair=PairContext(layout, None))
+
+
+def test_paired_supervision_of_a_model_in_train_mode_runs_without_dropout_and_keeps_train_mode():
+    """A backbone left in train() mode (as a training script leaves it) gives the eval-mode gains (no attention
+    dropout) and is back in train() mode afterwards."""
+    from oda_hf.training.paired import paired_supervision
+
+    model = _paired_model(tiny_model("llama", attention_dropout=0.5))
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = paired_supervision(model, ids).gains
+    model.train()
+    gains = paired_supervision(model, ids).gains
+    torch.testing.assert_close(gains, expected, rtol=0, atol=0)
+    assert model.training and model.base_model.training
+    assert all(m.training for m in model.base_model.modules())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_paired_full_log_probabilities_equal_the_stock_models(family):
+    """The paired pass's Full log-probabilities are the stock model's: without Gemma4's final logit soft-cap every
+    gain (and the cache) would come from other log-probabilities than the model's own (a mutant no test killed)."""
+    from oda_hf.training.paired import paired_supervision, target_logprobs
+
+    base = tiny_model(family)
+    model = _paired_model(base)
+    ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(1))
+    batch = paired_supervision(model, ids, keep_streams=True)
+    assert batch.num_eligible > 0
+    targets = ids[batch.rows, batch.cols + 1]
+    full = target_logprobs(model, batch.streams.full[batch.rows, batch.cols], targets)
+    with torch.no_grad():
+        stock = base(input_ids=ids).logits.float().log_softmax(-1)[batch.rows, batch.cols, targets]
+    torch.testing.assert_close(full, stock, rtol=0, atol=1e-4)
