@@ -4,8 +4,11 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "decode_throughput.py")
 
@@ -29,6 +32,9 @@ def test_decode_benchmark_tiny_end_to_end(tmp_path):
     assert 0 < oda["predicted"] < 16 / 2  # the ledgers themselves are checked in test_cost*.py
     static = rows["native-static"]
     assert static["vs_static"] == 1.0 and static["bytes_ratio"] == 1.0
+    for row in rows.values():   # ms per token from the median throughput; "vs static" = static's time / the row's
+        assert row["ms_per_token"] == pytest.approx(1000 / statistics.median(row["throughput"]))
+        assert row["vs_static"] == pytest.approx(static["ms_per_token"] / row["ms_per_token"])
     # Always-Local reads the weights but only s + w positions: a lower limit than Full, above zero.
     assert 0 < rows["streamingllm"]["limit_ms"] < static["limit_ms"] == rows["native-dynamic"]["limit_ms"]
     assert rows["streamingllm"]["bytes_ratio"] > 1 > oda["bytes_ratio"]  # ODA's Full steps re-read the weights
