@@ -83,6 +83,20 @@ def test_three_streams_equal_local_and_full_decode_steps(family):
     assert not any("forward" in vars(m) for m in model.base_model.modules())  # DeltaNet wrappers removed
 
 
+def test_three_streams_with_grouped_keys_repeated_as_on_cuda(monkeypatch):
+    """CUDA's masked SDPA takes no grouped keys, so the paired pass repeats them per query head there (never run on
+    the CPU, where SDPA takes them as they are): repeated in the wrong order, each query head read another KV head."""
+    import oda_hf.training.attention as paired_attention
+
+    model = oda_model("llama")   # 4 query heads on 2 KV heads
+    ids = tokens(14, seed=7)
+    native = paired_supervision(model, ids, keep_streams=True, tau_hist=0.0)
+    monkeypatch.setattr(paired_attention, "_sdpa_takes_gqa", lambda *args: False)
+    repeated = paired_supervision(model, ids, keep_streams=True, tau_hist=0.0)
+    torch.testing.assert_close(repeated.gains, native.gains, atol=2e-5, rtol=0)
+    torch.testing.assert_close(repeated.streams.local, native.streams.local, atol=2e-5, rtol=0)
+
+
 def test_eligibility_starts_at_s_plus_w_plus_one():
     layout = build_layout(torch.ones(1, 12, dtype=torch.long), sinks=S, window=W)
     assert layout.eligible[0].nonzero().flatten().tolist() == list(range(S + W, 11))  # 1-based 6..11; 12 has no next

@@ -51,6 +51,12 @@ class PairContext:
         return kind or "full_attention"
 
 
+def _sdpa_takes_gqa(query, valid, key, value) -> bool:
+    """Whether SDPA is given the grouped keys as they are (``enable_gqa``) rather than repeated per query head (a
+    function of its own so that a CPU test can take the CUDA path's repeat)."""
+    return query.device.type == "cpu" or use_gqa_in_sdpa(valid, key, value)
+
+
 def paired_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              sliding_window=None, softcap=None, oda_pair: PairContext | None = None, **kwargs):
     """AttentionInterface function: ``query`` ``[3B, Hq, T, D]``, ``key``/``value`` ``[3B, Hkv, T, D]``."""
@@ -96,7 +102,7 @@ def three_stream_attention(query, key, value, layout: SequenceLayout, *, scale: 
     k = key.view(_STREAMS, batch, key.shape[1], seq, -1)
     v = value.view(_STREAMS, batch, value.shape[1], seq, -1)
     groups = hq // key.shape[1]
-    native_gqa = groups > 1 and (query.device.type == "cpu" or use_gqa_in_sdpa(layout.valid, key, value))
+    native_gqa = groups > 1 and _sdpa_takes_gqa(query, layout.valid, key, value)
     if groups > 1 and not native_gqa:  # CUDA falls back to the math kernel for masked GQA: repeat instead
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
