@@ -14,6 +14,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
+import transformers
 
 from oda_hf import OdaConfig, OdaForCausalLM, RecallHead, RecallHeadConfig
 from oda_hf.training import (
@@ -61,9 +62,22 @@ def decode_step(model: OdaForCausalLM, ids: torch.Tensor, t: int, policy: str):
 
 
 # -- paired supervision ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+def qwen2_with_sliding_layers() -> OdaForCausalLM:
+    """Qwen2 with `use_sliding_window`: a window-global hybrid (layer 0 full, layer 1 with a native window of 4),
+    whose sliding layer takes its own mask from the mask dict the model builds."""
+    from tiny_models import COMMON
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(num_hidden_layers=2, head_dim=8, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=1, **COMMON)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    base = transformers.Qwen2ForCausalLM(config).eval()
+    return OdaForCausalLM(base, None, OdaConfig(sinks=S, window=W, policy="local"))
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen2_sliding"])
 def test_three_streams_equal_local_and_full_decode_steps(family):
-    model = oda_model(family)
+    model = qwen2_with_sliding_layers() if family == "qwen2_sliding" else oda_model(family)
     ids = tokens(14, seed=7)
     batch = paired_supervision(model, ids, keep_streams=True, tau_hist=0.0)
     streams = batch.streams
