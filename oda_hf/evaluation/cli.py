@@ -76,7 +76,8 @@ def add_cli(subparsers) -> None:
                                "their manifests must have --out's settings")
     evaluate.add_argument("--no-plots", action="store_true")
     evaluate.add_argument("--no-progress", action="store_true")
-    evaluate.set_defaults(func=run_eval)
+    # (what the flags that --report-only / --merge do not read are when not given: `_given_flags`)
+    evaluate.set_defaults(func=run_eval, unread_defaults={name: evaluate.get_default(name) for name in REPORT_UNREAD})
 
     diagnose = subparsers.add_parser(
         "diagnose", help="fixed-reference diagnostics: gains, AUROC/AP, budget curves with bootstrap intervals",
@@ -104,7 +105,8 @@ def add_cli(subparsers) -> None:
                           help="no model: rebuild the report from --out/positions.jsonl")
     diagnose.add_argument("--no-plots", action="store_true")
     diagnose.add_argument("--no-progress", action="store_true")
-    diagnose.set_defaults(func=run_diagnose)
+    diagnose.set_defaults(func=run_diagnose,
+                          unread_defaults={name: diagnose.get_default(name) for name in DIAGNOSE_REPORT_UNREAD})
 
 
 def _model_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -253,13 +255,13 @@ REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "tasks"
                  "max_input_tokens", "chat_template", "thresholds", "paper_sweep", "seeds", "trajectories",
                  "separate_prefills", "adopt_unlabeled_records")
 DIAGNOSE_REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
-UNSET_DEFAULTS = {"chat_template": False, "paper_sweep": False, "trajectories": 0, "separate_prefills": False,
-         "adopt_unlabeled_records": False}   # (the others' default: None)
 
 
 def _given_flags(args, names) -> str:
-    """Those of `names` the command line set (a value other than the default), as ``--a, --b``; "" for none."""
-    return ", ".join("--" + name.replace("_", "-") for name in names if getattr(args, name) != UNSET_DEFAULTS.get(name))
+    """Those of `names` the command line set (a value other than the parser's default, `unread_defaults`), as
+    ``--a, --b``; "" for none."""
+    return ", ".join("--" + name.replace("_", "-") for name in names
+                     if getattr(args, name) != args.unread_defaults[name])
 
 
 def _run_eval(args) -> int:

@@ -87,15 +87,11 @@ def merged_stats(per_engine: list) -> dict:
 def returned_steps(records: dict) -> dict:
     """Engine id -> the routed steps of the tokens the front end returned, where that is known: a finished request
     whose caller's id no other record shares."""
-    from collections import Counter
-
     from .requests import external_request_id, returned_tokens
 
-    callers = Counter(map(external_request_id, records))
     steps = {}
-    for rid in records:
-        caller = external_request_id(rid)
-        tokens = returned_tokens(caller) if callers[caller] == 1 else None
+    for rid in _sole_records(records):
+        tokens = returned_tokens(external_request_id(rid))
         if tokens is not None:
             steps[rid] = tokens - 1
     return steps
@@ -380,14 +376,13 @@ async def oda_routing_middleware(request, call_next):
     if callers is not None:
         everyone = (await _stats(request.app, caller_ids=callers))["requests"]
         mine = _newest_per_caller(everyone)
-        # A reused caller id: the front end's count may still be the earlier request's alone (it counts a request
-        # after its response is built), which would cut this record to it: such records are cut by `usage` only.
-        sole = _sole_records(everyone)
-        mine_known = {rid: record for rid, record in mine.items() if rid in sole}
     else:
-        mine = mine_known = _matching((await _stats(request.app, response_id))["requests"], response_id)
-    await _counted(mine_known)
-    records = by_caller_id(returned_only(mine, returned_steps(mine_known)))
+        everyone = mine = _matching((await _stats(request.app, response_id))["requests"], response_id)
+    # A caller id two records share: the front end's count may still be the earlier request's alone (it counts a
+    # request after its response is built); such records are cut by `usage` only (`returned_steps` leaves them).
+    sole = _sole_records(everyone)
+    await _counted({rid: record for rid, record in mine.items() if rid in sole})
+    records = by_caller_id(returned_only(mine, returned_steps(everyone)))
     choices, usage = data.get("choices") or [], data.get("usage") or {}
     if len(records) == 1 and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
         # one output: its returned tokens are in the response (the engine runs past a stop string; `trimmed`)
@@ -425,28 +420,29 @@ def _flag_name(arg: str) -> str | None:
     return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("-") and arg != "--" else None
 
 
-def _own_flag(arg: str) -> str | None:
-    """The flag of `OWN_FLAGS` that `arg` sets, as vLLM's parser reads it: the flag itself, ``_`` for ``-``, a
-    prefix of it (argparse takes abbreviations: ``--hf-override``) or one key of it (``--hf-overrides.KEY``, which
-    replaces the whole JSON)."""
+def _flag_set(arg: str, flags) -> str | None:
+    """The one of `flags` (``--`` options) that `arg` sets, as vLLM's parser reads it: the flag itself, ``_`` for
+    ``-``, a prefix of it (argparse takes abbreviations: ``--hf-override``) or one key of it (``--hf-overrides.KEY``,
+    which replaces the whole JSON)."""
     name = _flag_name(arg)
     if name is None or not name.startswith("--"):
         return None
-    for flag in OWN_FLAGS:
+    for flag in flags:
         if name == flag or name.startswith(flag + ".") or (len(name) > 3 and flag.startswith(name)):
             return flag
     return None
 
 
+def _own_flag(arg: str) -> str | None:
+    """The flag of `OWN_FLAGS` that `arg` sets (`_flag_set`)."""
+    return _flag_set(arg, OWN_FLAGS)
+
+
 def _sets_attention(arg: str) -> bool:
-    """Whether `arg` is vLLM's ``--attention-backend`` or ``--attention-config`` as its parser reads them: the flag,
-    a key of the config (``--attention-config.backend``), its alias ``-ac``, or an abbreviation."""
-    name = _flag_name(arg)
-    if name is None:
-        return False
-    name = name.split(".", 1)[0]
-    return name == "-ac" or (len(name) > len("--attention-") and
-                             any(flag.startswith(name) for flag in ("--attention-backend", "--attention-config")))
+    """Whether `arg` sets vLLM's ``--attention-backend`` or ``--attention-config`` (`_flag_set`), or the config by
+    its alias ``-ac``."""
+    return (_flag_set(arg, ("--attention-backend", "--attention-config")) is not None
+            or (_flag_name(arg) or "").split(".", 1)[0] == "-ac")
 
 
 def _api_server_counts(passthrough: list[str]) -> list[str]:
