@@ -58,7 +58,7 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
     """`value` as a float in range; NaN is always refused, infinities unless ``finite=False``."""
     what = (f"`{name}` must be a {'finite ' if finite else ''}number{_bounds(minimum, maximum, exclusive_minimum)}"
             + (f" ({meaning})" if meaning else ""))
-    if _boolean(value) or isinstance(value, str):
+    if _boolean(value) or isinstance(value, (str, bytes, bytearray, memoryview)):   # float() would parse text
         raise TypeError(f"{what}; got {value!r} ({type(value).__name__}).")
     try:
         value = float(value)

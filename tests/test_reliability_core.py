@@ -2,6 +2,7 @@
 coercion, and a refused change leaves the model as it was."""
 
 import argparse
+import copy
 import math
 import os
 import signal
@@ -14,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from oda_hf import HeadPolicy, OdaConfig, OdaForCausalLM, RandomPolicy, SchedulePolicy
+from oda_hf import HeadPolicy, OdaConfig, OdaForCausalLM, RandomPolicy, RecallHead, RecallHeadConfig, SchedulePolicy
 from oda_hf.cli import main, parse_policy
+from oda_hf.compat import cache_kwargs
 from safetensors.torch import save_file
 
 from oda_hf.files import (atomic_path, atomic_write, output_lock, publish_files, remove_stale_partials,
                            staging_folder, write_json)
-from oda_hf.validation import argument, integer, number, parse_policy_text, probability
-from tiny_models import save_with_word_tokenizer, tiny_model
+from oda_hf.validation import argument, integer, number, parse_policy_text, probability, seed
+from tiny_models import left_padded_prompts, save_with_word_tokenizer, tiny_model
 
 # -- the validation layer ---------------------------------------------------------------------------------
 
@@ -435,3 +437,128 @@ def test_an_output_lock_is_gone_after_a_failed_block_too(tmp_path):
         with output_lock(tmp_path / "out"):
             raise RuntimeError("refused")
     assert not (tmp_path / "out" / ".oda.lock").exists()
+
+
+# -- survivors of a mutation audit of the core path (cache, modeling, routing, policies, validation; 2026-11-29) --
+
+
+def test_a_long_second_turn_widens_the_workspace_with_the_current_slot():
+    """A call that continues a cache with many new prompt tokens must widen the Local workspace by the committed
+    positions plus the current token's slot (without it the current token overwrote the last committed position:
+    wrong tokens, exit 0). Within sinks + window Local reads what Full reads: the turn equals the stock model's."""
+    base = tiny_model("llama")
+    model = OdaForCausalLM(base, None, OdaConfig(sinks=2, window=64, policy="local"))
+    g = torch.Generator().manual_seed(5)
+    cache = model.new_cache()
+    first = model.generate(input_ids=torch.randint(3, 90, (1, 3), generator=g), max_new_tokens=2, do_sample=False,
+                           pad_token_id=0, past_key_values=cache)
+    assert cache.global_layers[0].workspace_width < 12   # the first call sized the workspace for 5 positions
+    turn = torch.cat([first, torch.randint(3, 90, (1, 25), generator=g)], dim=1)   # 30 positions, all within s + w
+    out = model.generate(input_ids=turn, max_new_tokens=6, do_sample=False, pad_token_id=0, past_key_values=cache,
+                         output_logits=True, return_dict_in_generate=True)
+    stock = base.generate(input_ids=turn, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock.sequences)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(stock.logits, 1), atol=2e-5, rtol=2e-5)
+
+
+def test_a_crop_past_the_shortest_rows_history_is_refused():
+    """Cropping more positions than the shortest (left-padded) row holds is refused before anything changes (checked
+    against the longest row's count, it failed later in torch with the cache half changed)."""
+    model = OdaForCausalLM(tiny_model("qwen3"), None, OdaConfig(sinks=2, window=4, policy="local"))
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0   # row 1 holds 2 prompt positions, row 0 holds 8
+    cache = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    assert cache.global_layers[0].valid_count.tolist() == [10, 4]
+    with pytest.raises(ValueError, match="more than a row holds"):
+        cache.crop(-6)
+    assert cache.get_seq_length() == 10 and cache.global_layers[0].valid_count.tolist() == [10, 4]
+
+
+def test_a_continuing_call_counts_the_routed_step_that_produced_eos():
+    """A call that continues a cache with one uncached token runs no prefill: its output k comes from routed step
+    k + 1, so a row whose first EOS is output k has taken k + 1 routed steps (every other EOS test had a prefill)."""
+    model = OdaForCausalLM(tiny_model("llama"), None, OdaConfig(sinks=1, window=3, policy=RandomPolicy(0.5, seed=3)))
+    ids, mask = left_padded_prompts(2, 6, pads=(2, 0))
+    kwargs = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **kwargs)
+    cache = first.past_key_values
+    assert cache.get_seq_length() == first.sequences.shape[1] - 1   # the last output is not cached: no prefill next
+    turn = dict(input_ids=first.sequences, attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1),
+                max_new_tokens=8, **kwargs)
+    free = model.generate(**turn, **cache_kwargs(copy.deepcopy(cache)))
+    new = free.sequences[:, first.sequences.shape[1]:]
+    # an EOS row 0 emits first at output k that row 1 never emits: row 0 stops there, row 1 runs on
+    k, eos = next((k, int(t)) for k, t in enumerate(new[0].tolist()) if int(t) not in new[1].tolist()
+                  and int(t) not in new[0, :k].tolist())
+    model.generate(**turn, eos_token_id=eos, **cache_kwargs(copy.deepcopy(cache)))
+    routing = model.routing
+    assert routing.routed_steps == 8   # every output of a continuing call comes from a routed step
+    assert routing.steps_per_row.tolist() == [k + 1, 8]
+    assert routing.finished_at[0].item() == k + 1
+
+
+def test_padding_after_eos_inside_the_window_is_not_an_in_window_full_call():
+    """Always-Full keeps deciding Full on the padding steps after a row's EOS; those steps are not the row's, so they
+    are no in-window Full calls (counted, window_full_calls exceeded window_steps for a row that stopped inside
+    sinks + window)."""
+    model = OdaForCausalLM(tiny_model("qwen3"), None, OdaConfig(sinks=2, window=4, policy="full"))
+    ids, mask = left_padded_prompts(2, 3, pads=(0, 0))   # histories 4, 5, 6 within s + w = 6 at steps 1..3
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    free = model.generate(**kwargs)[:, 3:]
+    # row 0 emits `eos` first at output 1 (routed step 1, in the window); row 1 never emits it
+    eos = int(free[0, 1])
+    assert eos not in free[1].tolist() and eos != int(free[0, 0])
+    model.generate(**kwargs, eos_token_id=eos)
+    routing = model.routing
+    assert routing.steps_per_row.tolist() == [1, 7]
+    assert routing.window_steps_per_row.tolist() == [1, 3]
+    assert routing.window_full_calls_per_row.tolist() == [1, 3]
+    assert routing.decided_steps_per_row.tolist() == [0, 4]
+    assert routing.full_call_rate == 1.0 and routing.paper_full_call_rate == 1.0
+
+
+def test_a_head_policys_own_threshold_wins_over_the_routing_threshold():
+    """`HeadPolicy(threshold=t)` given as the policy routes at t, not at the routing threshold (every test of an
+    explicit HeadPolicy had used t = 0, the routing default)."""
+    base = tiny_model("qwen3")
+    torch.manual_seed(0)
+    head = RecallHead(RecallHeadConfig.for_base(base, head_width=8))
+    ids, mask = left_padded_prompts(2, 9, pads=(2, 0))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    model = OdaForCausalLM(base, head, OdaConfig(sinks=2, window=4, policy="head"))
+    model.generate(**kwargs)
+    decided = model.routing.scores[~model.routing.in_window]
+    threshold = float(decided.median())
+    assert ((decided > 0) != (decided > threshold)).any()   # the two thresholds split these scores differently
+    model.set_routing(policy=HeadPolicy(threshold))          # the routing threshold stays 0
+    model.generate(**kwargs)
+    routing = model.routing
+    past = ~routing.in_window
+    assert torch.equal(routing.decisions[past], routing.scores[past] > threshold)
+
+
+def test_bad_numbers_and_policies_are_refused_by_name():
+    with pytest.raises(ValueError, match="<= 1"):
+        probability("p", 1.0 + 1e-10)
+    with pytest.raises(argparse.ArgumentTypeError, match="must be an integer"):
+        argument(integer, "window", minimum=1)("1_0")   # Python's int() reads it as 10
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policy_text("random:0.5:1:9")
+    with pytest.raises(ValueError, match="2\\*\\*64 - 1"):   # refused here, not deep inside torch
+        seed("seed", 2**64)
+    for text in ("budget:0.3:1_0", "budget:0.3:nan", "budget:0.3:1e-400"):   # a bare float(): 10, nan, 0
+        with pytest.raises(ValueError, match="bad policy"):
+            parse_policy_text(text)
+
+
+@pytest.mark.parametrize("make", [lambda: number("threshold", b"0.5"), lambda: probability("p", bytearray(b"1")),
+                                  lambda: OdaConfig(threshold=b"0.25"), lambda: RandomPolicy(b"0.5")],
+                         ids=["number", "probability", "OdaConfig", "RandomPolicy"])
+def test_bytes_are_not_a_number(make):
+    """float() parses bytes: a threshold of b"0.25" was read as 0.25 where the string "0.25" is refused (OdaConfig
+    raises its checks' errors as ValueError, as for a string)."""
+    with pytest.raises((TypeError, ValueError), match=r"must be a .*\((bytes|bytearray)\)"):
+        make()
