@@ -541,7 +541,8 @@ def test_the_eval_loss_is_the_pooled_training_loss_whatever_the_batch_size(tmp_p
     for batch_size in (1, 2, 3):
         trainer.args.per_device_eval_batch_size = batch_size
         metrics = trainer.evaluate(evaluation)
-        assert metrics["eval_loss"] == pytest.approx(losses.double().mean().item(), rel=1e-6), batch_size
+        # (float32 rounding of a padded batch: 1.3e-6 apart at batch 3 on an AMD EPYC; the bug was 60% apart)
+        assert metrics["eval_loss"] == pytest.approx(losses.double().mean().item(), rel=1e-5), batch_size
         assert metrics["eval_eligible_tokens"] == losses.numel()
     with pytest.raises(ValueError, match="No eligible position in the eval data"):
         trainer.evaluate(_rows([5, 6, 4], seed=9))
