@@ -344,6 +344,14 @@ def test_bfloat16_greedy_differs_from_stock_only_where_a_near_tie_is_counted(see
     assert torch.equal(out, expected) or model.routing.total("near_ties") > 0
 
 
+def flat_bfloat16_model(family: str, **overrides):
+    """A tiny bfloat16 model with flatter logits (output weights halved): near ties arise often."""
+    base = tiny_model(family, **overrides).to(torch.bfloat16)
+    with torch.no_grad():
+        base.get_output_embeddings().weight.mul_(0.5)
+    return base
+
+
 def test_bfloat16_verified_positions_count_near_ties_at_the_model_dtypes_rounding():
     """The verification pass's logits are bfloat16 too, so its near ties are judged at bfloat16's rounding. On such
     runs (flatter logits, hidden size 128) the output can differ from stock's with no near tie at the first token: at
@@ -354,9 +362,7 @@ def test_bfloat16_verified_positions_count_near_ties_at_the_model_dtypes_roundin
     tie (the case this test is about)."""
     about = []
     for seed in (46, 121, 26):
-        base = tiny_model("llama", seed=seed, hidden_size=128).to(torch.bfloat16)
-        with torch.no_grad():
-            base.get_output_embeddings().weight.mul_(0.5)
+        base = flat_bfloat16_model("llama", seed=seed, hidden_size=128)
         head = RecallHead(RecallHeadConfig.for_base(base, head_width=8)).to(torch.bfloat16)
         model = OdaForCausalLM(base, head, OdaConfig(sinks=SINKS, window=WINDOW, threshold=0.0))
         ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(seed))
@@ -379,10 +385,7 @@ def test_bfloat16_first_token_of_a_padded_row_counts_its_near_tie():
     every row that differs must have counted a near tie, and one at least must differ."""
     differed = []
     for seed in (6, 14):
-        base = tiny_model("gemma3", seed=seed, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
-        base = base.to(torch.bfloat16)
-        with torch.no_grad():
-            base.get_output_embeddings().weight.mul_(0.5)
+        base = flat_bfloat16_model("gemma3", seed=seed, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
         torch.manual_seed(seed)
         model = OdaForCausalLM(base, RecallHead(RecallHeadConfig.for_base(base, head_width=8)),
                                OdaConfig(sinks=SINKS, window=4))
