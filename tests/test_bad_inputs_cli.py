@@ -63,6 +63,8 @@ BAD_INPUTS = [
      "--threshold 5 picks the branch --history selected commits, but --history full always commits Full"),
     ("diagnose-report-only-unread", ["diagnose", "--out", "{root}/o8", "--report-only", "--positions", "4"],
      "--positions: --report-only rebuilds the report from"),
+    ("diagnose-report-only-history", ["diagnose", "--out", "{root}/o8", "--report-only", "--history", "full"],
+     "--history: --report-only rebuilds the report from"),
     ("train-data-missing", ["train-head", "--base", "{root}/base", "--data", "{root}/nope.jsonl", "--output",
                             "{root}/t1"], "--data {root}/nope.jsonl: no such file or directory"),
     ("train-window-zero", ["train-head", "--base", "{root}/base", "--data", "{root}/text.jsonl", "--output",

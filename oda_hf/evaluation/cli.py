@@ -254,7 +254,7 @@ def _write_report(report, records, out, primary, plots):
 REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "tasks", "limit", "max_new_tokens",
                  "max_input_tokens", "chat_template", "thresholds", "paper_sweep", "seeds", "trajectories",
                  "separate_prefills", "adopt_unlabeled_records")
-DIAGNOSE_REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold")
+DIAGNOSE_REPORT_UNREAD = ("base", "head", "tokenizer", "sinks", "window", "data", "positions", "threshold", "history")
 
 
 def _given_flags(args, names) -> str:
