@@ -511,6 +511,48 @@ def test_state_commit_matches_kernel_reference(sinks, window, with_full):
         assert torch.equal(getattr(state, name)[:, :, :, :committed], expected[name][:, :, :, :committed]), name
 
 
+@pytest.mark.parametrize("sinks,window", [(2, 4), (0, 3), (2, 1), (1, 2)])
+def test_state_load_prefix_writes_each_workspace_slot_once_with_its_position(sinks, window):
+    """Sinks: each row's first `sinks` valid positions; ring: its last ``window - 1`` (a prompt longer than the
+    workspace, one shorter, left padding). Each (row, slot) is written once: on CUDA the order of duplicate
+    ``index_put`` writes is undefined, so keeping one position too many (``window`` rather than ``window - 1``) would
+    leave either position in the ring, while on the CPU the last write wins and the content alone looks right."""
+    from oda_hf.engine.state import EngineState
+
+    class IndexPutSpy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+                self.writes.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    columns = 12
+    valid = torch.ones(3, columns, dtype=torch.bool)
+    valid[1, :9] = False    # 3 valid positions: shorter than the workspace
+    valid[2, :4] = False    # 8 valid positions after padding
+    state = EngineState.allocate(layers=1, batch=3, kv_heads=1, head_dim=1, head_dim_v=1, hidden=2, capacity=16,
+                                 sinks=sinks, window=window, dtype=torch.float32, device=torch.device("cpu"))
+    state.cache_keys[0, :, 0, :columns, 0] = torch.arange(columns, dtype=torch.float32)  # key = its column
+    state.ws_keys.fill_(-1.0)
+    spy = IndexPutSpy()
+    with spy:
+        state.load_prefix(valid, sinks, window)
+    assert len(spy.writes) == 2   # keys and values
+    for indices in spy.writes:
+        rows, slots = indices[1], indices[3]
+        pairs = list(zip(rows.tolist(), slots.tolist()))
+        assert len(pairs) == len(set(pairs)), f"a workspace slot written twice: {sorted(pairs)}"
+    for row in range(3):
+        kept_columns = valid[row].nonzero().flatten().tolist()
+        expected = kept_columns[:sinks] + kept_columns[sinks:][-(window - 1):] if window > 1 else kept_columns[:sinks]
+        got = state.ws_keys[0, row, 0, : sinks + window - 1, 0]
+        assert sorted(v for v in got.tolist() if v >= 0) == sorted(expected), f"row {row}"
+    assert state.valid_count.tolist() == valid.sum(dim=1).tolist() and state.cache_position.item() == columns
+
+
 # ------------------------------------------------------------------------------------------------
 # What the fast path refuses, the opt-in and the kill switch
 # ------------------------------------------------------------------------------------------------
